@@ -1,0 +1,215 @@
+"""The engine: request lifecycle (add / step / abort) around the scheduler and the runner.
+
+`LLMEngine.step()` runs one iteration of the step loop and returns the deltas of the requests
+that moved. `add_request` and `abort` may be called from another thread than `step` (the async
+engine runs steps in a worker thread): they only validate and push onto inboxes that `step`
+drains in phase 1, so scheduler state is touched by one thread only.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyserve.block_pool import BlockPool
+from tinyserve.config import EngineConfig, ModelConfig
+from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.runner import ModelRunner
+from tinyserve.sampling import InvalidParameter, SamplingParams, SamplingRow
+from tinyserve.scheduler import Scheduler
+from tinyserve.sequence import Sequence
+from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+    arrival_time: float = 0.0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # exact match with transformers' fp32 reference on CPU
+    # NOTE: fp32 checkpoints run in bf16 on the GPU, as vLLM does for 'auto'.
+    cfg = model_config.torch_dtype
+    return torch.float16 if cfg == "float16" else torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.model is None:
+            from tinyserve.gguf import default_model_path
+
+            config.model = default_model_path()
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, device)
+        self.runner = ModelRunner(self.model_config, config, self.dtype)
+        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
+        capacity = self.pool.num_blocks * config.block_size
+        limit = config.max_model_len or self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the KV cache capacity of "
+                f"{capacity} tokens: lower max_model_len or give the KV cache more memory"
+            )
+        # NOTE: a sequence of max_model_len tokens always fits the whole pool, so any admitted
+        # request can run to completion once the others finish (no hang, only waiting).
+        self.max_model_len = min(limit, capacity)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._new: deque[Request] = deque()
+        self._aborted: deque[str] = deque()
+        self._rng = random.Random(config.seed)
+        self._next_seq_id = 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._new or self._aborted)
+
+    # -- request lifecycle ----------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Validate and queue a request; raises InvalidParameter for bad input (nothing queued)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+                raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
+        if not prompt_ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
+            raise InvalidParameter(
+                "max_tokens" if room > 0 else "prompt",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(prompt_ids) + (params.max_tokens or 0)} tokens "
+                f"({len(prompt_ids)} in the messages, {params.max_tokens or 0} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+            )
+        if request_id in self.requests or any(r.request_id == request_id for r in self._new):
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        req = Request(request_id, text, prompt_ids, params, arrival_time=time.monotonic())
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        for i in range(params.n):
+            seed = base_seed if i == 0 else hash((base_seed, i)) & _SEED_MASK
+            req.seqs.append(
+                Sequence(self._next_seq_id, request_id, i, list(prompt_ids), len(prompt_ids),
+                         params, seed, max_tokens, req.arrival_time)
+            )  # fmt: skip
+            self._next_seq_id += 1
+            req.detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
+                )
+            )
+        self._new.append(req)
+
+    def abort(self, request_id: str) -> None:
+        self._aborted.append(request_id)
+
+    # -- the step loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        deltas: dict[str, RequestOutput] = {}
+        # 1) take new and aborted requests
+        while self._new:
+            req = self._new.popleft()
+            self.requests[req.request_id] = req
+            for seq in req.seqs:
+                self.scheduler.add(seq)
+        while self._aborted:
+            req = self.requests.get(self._aborted.popleft())
+            if req is not None:
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "abort")
+                        self._delta(deltas, req, seq, [], "")
+        # 2) schedule, 3) run the forward and sample
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+            rows = [self._sampling_row(batch.seqs[i]) for i in sampled]
+            outs = self.runner.execute(batch, rows)
+            # 4) post-process: advance KV, append tokens, stop checks, detokenize, free
+            for seq, num in zip(batch.seqs, batch.num_new_tokens):
+                seq.num_kv_computed += num
+            for i, out in zip(sampled, outs):
+                self._append_token(deltas, batch.seqs[i], out)
+        for rid in [rid for rid, d in deltas.items() if d.finished]:
+            del self.requests[rid]
+        return list(deltas.values())
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.params, seq.seed, seq.prompt_ids, seq.output_ids)
+
+    def _append_token(self, deltas: dict, seq: Sequence, out) -> None:
+        req = self.requests[seq.request_id]
+        p = seq.params
+        token = out.token_id
+        seq.token_ids.append(token)
+        detok = req.detoks[seq.index]
+        text = detok.add([token])
+        reason, stop_reason = None, None
+        if token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif not p.ignore_eos and token in self.model_config.eos_token_ids:
+            reason = "stop"
+        elif detok.stopped:
+            reason, stop_reason = "stop", detok.stop_reason
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if not detok.stopped:
+                text += detok.flush()
+            self.scheduler.finish(seq, reason)
+            seq.stop_reason = stop_reason
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [{token: out.logprob, **dict(out.top_logprobs or [])}]
+        self._delta(deltas, req, seq, [token], text, logprobs)
+
+    def _delta(self, deltas, req: Request, seq: Sequence, ids, text, logprobs=None) -> None:
+        d = deltas.get(req.request_id)
+        if d is None:
+            d = deltas[req.request_id] = RequestOutput(
+                req.request_id, req.prompt, req.prompt_ids, [], num_cached_tokens=0
+            )
+        d.outputs.append(
+            CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
+        )
+        d.finished = req.is_finished
+        d.num_cached_tokens = min(s.num_cached_tokens for s in req.seqs)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        if not self.scheduler.has_work:
+            assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"

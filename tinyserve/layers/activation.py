@@ -1,0 +1,13 @@
+"""SiLU-and-mul: x = [gate | up] (..., 2I) -> silu(gate) * up (..., I), as HF's LlamaMLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,157 @@
+"""Paged attention over a KV cache, pure torch (the reference the Triton kernels must match).
+
+The runner sets `AttentionMetadata` for one forward with `forward_context(metadata)`. Each
+`Attention` stores this step's k/v at `slot_mapping` in its `k_cache`/`v_cache`
+((num_blocks, block_size, Hkv, D) views assigned by the runner), then attends: a sequence's
+query tokens are the LAST query_len positions of its context_len tokens (causal with offset).
+With no cache assigned it is plain causal attention over the T tokens as one sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # (B, max_blocks_per_seq) int32, padded with 0
+    cu_seqlens_q: torch.Tensor  # (B+1,) int32: query offsets of each sequence in the T tokens
+    context_lens: torch.Tensor  # (B,) int32: KV length of each sequence including this step
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    max_context_len: int
+    is_decode_only: bool  # every sequence has exactly one query token
+
+
+_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(metadata: AttentionMetadata | None) -> Iterator[AttentionMetadata | None]:
+    """Makes `metadata` the current one for the forwards run inside the block (nestable)."""
+    global _metadata
+    previous, _metadata = _metadata, metadata
+    try:
+        yield metadata
+    finally:
+        _metadata = previous
+
+
+def get_forward_metadata() -> AttentionMetadata | None:
+    return _metadata
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v (T, Hkv, D) -> cache slots; every slot must be valid (>= 0)."""
+    num_kv_heads, head_dim = k.shape[1:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: q (B, Hq, D) -> (B, Hq, D). K/V are gathered through the
+    block tables into a padded (B, L, Hkv, D) tensor and masked beyond each context length."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-md.max_context_len // block_size)
+    blocks = md.block_tables[:, :num_blocks]  # (B, nb)
+    k = k_cache[blocks].flatten(1, 2)  # (B, nb * bs, Hkv, D)
+    v = v_cache[blocks].flatten(1, 2)
+    # GQA without repeating K/V: query head h reads kv head h // group.
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale  # (B, Hkv, G, L)
+    positions = torch.arange(k.shape[1], device=q.device)
+    valid = positions[None, :] < md.context_lens[:, None]  # (B, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    # Padding slots may hold never-written memory (NaN/inf): 0 * NaN would poison the sum.
+    v.masked_fill_(~valid[:, :, None, None], 0.0)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)  # (B, Hkv, G, D)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Any batch (prefill chunks and decode rows mixed): q (T, Hq, D) -> (T, Hq, D), one SDPA
+    call per sequence over its cached prefix + new tokens. Host-side lengths only, no sync."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (query_len, context_len) in enumerate(
+        zip(md.query_lens_cpu, md.context_lens_cpu, strict=True)
+    ):
+        num_blocks = -(-context_len // block_size)
+        blocks = md.block_tables[i, :num_blocks]
+        k = k_cache[blocks].flatten(0, 1)[:context_len]  # (L, Hkv, D)
+        v = v_cache[blocks].flatten(0, 1)[:context_len]
+        end = start + query_len
+        out[start:end] = causal_attention(q[start:end], k, v, scale)
+        start = end
+    return out
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q (Tq, Hq, D) are the last Tq positions of k, v (L, Hkv, D) -> (Tq, Hq, D)."""
+    query_len, context_len = q.shape[0], k.shape[0]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
+    if query_len == context_len:
+        mask, is_causal = None, True  # lets SDPA pick its fused causal kernels
+    else:
+        # SDPA's is_causal aligns top-left; ours is bottom-right: query i sits at position
+        # context_len - query_len + i and sees keys j <= that.
+        rows = torch.arange(query_len, device=q.device)[:, None] + (context_len - query_len)
+        mask, is_causal = torch.arange(context_len, device=q.device)[None, :] <= rows, False
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+    )  # (1, Hq, Tq, D); fused kernels accumulate the softmax in float32
+    return out.squeeze(0).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Holds no weights: q/k/v come in already projected and rotated."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        # Plain attributes, not buffers: the runner assigns views of its KV pool.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (T, Hq, D), k, v (T, Hkv, D) -> (T, Hq, D)."""
+        if self.k_cache is None:
+            return causal_attention(q, k, v, self.scale)
+        md = _metadata
+        assert md is not None, "KV cache assigned but no forward_context set"
+        store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.is_decode_only:
+            return decode_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
+        return prefill_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)

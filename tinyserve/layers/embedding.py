@@ -1,0 +1,25 @@
+"""Token embedding and LM head. A tied head shares the embedding's weight Parameter (the model
+assigns it), so it exists once in named_parameters() and the loader writes it once."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim), requires_grad=False
+        )  # (V, H)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(VocabEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Matmul in the model dtype, then float32 for sampling (as HF's logits.float()).
+        return F.linear(hidden, self.weight).float()  # (N, V)

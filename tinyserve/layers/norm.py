@@ -1,0 +1,32 @@
+"""RMSNorm with an optional fused residual add, numerically as HF's LlamaRMSNorm.
+
+`norm(x)` -> normed; `norm(x, residual)` -> (norm(x + residual), x + residual). The add happens
+in the input dtype (as HF's decoder layer), the normalisation in float32, then the result is cast
+back to the input dtype before the weight multiplies it (HF's order, which matters in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm_ref(x, self.weight, self.eps), x

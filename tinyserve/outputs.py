@@ -1,0 +1,53 @@
+"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput.
+
+The engine emits deltas (only the new tokens and text of each step); `merge` folds them into the
+cumulative form that `LLM.generate` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One entry per generated token: {token_id: logprob} for the sampled token and the top-k.
+Logprobs = list[dict[int, float]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Fold a step's delta into this cumulative output."""
+        by_index = {o.index: o for o in self.outputs}
+        for d in delta.outputs:
+            o = by_index.get(d.index)
+            if o is None:
+                o = by_index[d.index] = CompletionOutput(d.index)
+                self.outputs.append(o)
+                self.outputs.sort(key=lambda c: c.index)
+            o.text += d.text
+            o.token_ids += d.token_ids
+            if d.logprobs is not None:
+                o.logprobs = (o.logprobs or []) + d.logprobs
+            o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens

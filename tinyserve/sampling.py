@@ -1,0 +1,361 @@
+"""Sampling parameters (validated, vLLM names) and the batched sampler.
+
+`SamplingTensors.build` turns per-row host state into device tensors once per step; `sample` runs
+penalties -> temperature -> top-k -> top-p -> min-p -> exponential race on the device with no host
+sync. Randomness is a hash of (seed, step, vocab index), so a seeded row's tokens do not depend on
+its batch neighbours or row position.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_LOGPROBS = 20
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below this is greedy
+
+
+class InvalidParameter(ValueError):
+    """A client-controlled value is out of range; `.param` names the field (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _invalid(param: str, allowed: str, value: object) -> InvalidParameter:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return InvalidParameter(param, f"{param} must be {allowed}, got {shown}")
+
+
+def _real(param: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
+    # bool is an int subclass; `temperature=True` is a client bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _invalid(param, allowed, value)
+    if not math.isfinite(x := float(value)) or not ok(x):
+        raise _invalid(param, allowed, value)
+    return x
+
+
+def _int(param: str, value: object, allowed: str, ok: Callable[[int], bool]) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
+        raise _invalid(param, allowed, value)
+    return int(value)
+
+
+_REAL_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "temperature": ("a finite number >= 0", lambda x: x >= 0),
+    "top_p": ("a number in (0, 1]", lambda x: 0 < x <= 1),
+    "min_p": ("a number in [0, 1]", lambda x: 0 <= x <= 1),
+    "presence_penalty": ("a number in [-2, 2]", lambda x: -2 <= x <= 2),
+    "frequency_penalty": ("a number in [-2, 2]", lambda x: -2 <= x <= 2),
+    "repetition_penalty": ("a finite number > 0", lambda x: x > 0),
+}
+_INT_RULES: dict[str, tuple[str, Callable[[int], bool]]] = {
+    "n": ("an integer >= 1", lambda x: x >= 1),
+    "top_k": ("0 or -1 (off) or an integer >= 1", lambda x: x >= -1),
+    "seed": ("an integer or null", lambda x: True),
+    "max_tokens": ("an integer >= 1 or null", lambda x: x >= 1),
+    "min_tokens": ("an integer in [0, max_tokens]", lambda x: x >= 0),
+    "logprobs": (f"an integer in [0, {MAX_LOGPROBS}] or null", lambda x: 0 <= x <= MAX_LOGPROBS),
+}
+_NULLABLE = ("seed", "max_tokens", "logprobs")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off (normalized to 0)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalized to list[str]
+    stop_token_ids: list[int] | None = None  # normalized to list[int]
+    max_tokens: int | None = 16  # None: up to the context limit (the engine resolves it)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name, (allowed, ok) in _REAL_RULES.items():
+            setattr(self, name, _real(name, getattr(self, name), allowed, ok))
+        for name, (allowed, ok) in _INT_RULES.items():
+            value = getattr(self, name)
+            if value is not None or name not in _NULLABLE:
+                setattr(self, name, _int(name, value, allowed, ok))
+        self.top_k = max(self.top_k, 0)  # -1 and 0 both mean off
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _invalid("min_tokens", "an integer in [0, max_tokens]", self.min_tokens)
+        self.stop = self._stop_list(self.stop)
+        self.stop_token_ids = self._stop_token_id_list(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, "a boolean", getattr(self, name))
+
+    @staticmethod
+    def _stop_list(stop: object) -> list[str]:
+        allowed = "a non-empty string or a list of non-empty strings"
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list | tuple):
+            raise _invalid("stop", allowed, stop)
+        if not all(isinstance(s, str) and s for s in stops):
+            raise _invalid("stop", allowed, stop)
+        return list(stops)
+
+    @staticmethod
+    def _stop_token_id_list(ids: object) -> list[int]:
+        allowed = "a list of non-negative integers"
+        ids = [] if ids is None else ids
+        if not isinstance(ids, list | tuple):
+            raise _invalid("stop_token_ids", allowed, ids)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+                raise _invalid("stop_token_ids", allowed, ids)
+        return [int(i) for i in ids]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of a batch, built by the runner per step."""
+
+    params: SamplingParams
+    seed: int  # the request seed (the engine draws one when params.seed is None)
+    prompt_ids: list[int]  # repetition_penalty applies to prompt + output (as HF / vLLM)
+    output_ids: list[int]  # generated so far; len() is the step of the counter-based RNG
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: Tensor  # (B,) int64
+    logprobs: Tensor | None  # (B,) float32, raw-model logprob of token_ids; None if no row asked
+    top_ids: Tensor | None  # (B, K) int64, K = max logprobs asked in the batch
+    top_logprobs: Tensor | None  # (B, K) float32, sorted descending
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row parameters on the device plus host flags that let `sample` skip unused stages."""
+
+    temperature: Tensor  # (B,) float32; 1.0 on greedy rows so dividing is a no-op
+    top_k: Tensor  # (B,) int64; vocab_size where off
+    top_p: Tensor  # (B,) float32; 1.0 where off
+    min_p: Tensor  # (B,) float32
+    presence_penalty: Tensor  # (B,) float32
+    frequency_penalty: Tensor  # (B,) float32
+    repetition_penalty: Tensor  # (B,) float32
+    seeds: Tensor  # (B,) int64: the request seed wrapped to 64 bits
+    steps: Tensor  # (B,) int64: len(output_ids)
+    is_greedy: Tensor  # (B,) bool
+    output_counts: Tensor | None  # (B, V) float32; rows without penalties stay 0
+    prompt_mask: Tensor | None  # (B, V) bool; only when some row has repetition_penalty != 1
+    vocab_size: int
+    all_greedy: bool
+    any_greedy: bool
+    do_frequency_presence: bool
+    do_top_k: bool
+    do_top_p: bool
+    do_min_p: bool
+    num_logprobs: int | None  # K = max logprobs asked; None when no row asked
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
+        assert rows, "empty batch"
+        device = torch.device(device)
+        V = vocab_size
+        floats, ints = [], []
+        out_rows, out_ids, prompt_rows, prompt_ids = [], [], [], []
+        for r, row in enumerate(rows):
+            p = row.params
+            greedy = p.is_greedy
+            # Greedy rows get neutral filters: argmax ignores them and the host flags stay off.
+            filters = (1.0, 1.0, 0.0) if greedy else (p.temperature, p.top_p, p.min_p)
+            floats.append((*filters, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+            top_k = V if greedy or p.top_k == 0 else min(p.top_k, V)
+            ints.append((top_k, _wrap_int64(row.seed), len(row.output_ids), int(greedy)))
+            has_rep = p.repetition_penalty != 1.0
+            if has_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                out_rows += [r] * len(row.output_ids)
+                out_ids += row.output_ids
+            if has_rep:
+                prompt_rows += [r] * len(row.prompt_ids)
+                prompt_ids += row.prompt_ids
+        host_f = torch.tensor(floats, dtype=torch.float32).t().contiguous()  # (6, B)
+        host_i = torch.tensor(ints, dtype=torch.int64).t().contiguous()  # (4, B)
+        f, i = _to_device(host_f, device), _to_device(host_i, device)
+        B = len(rows)
+        any_freq_pres = bool((host_f[3:5] != 0).any())
+        any_rep = bool((host_f[5] != 1).any())
+        output_counts = prompt_mask = None
+        if any_freq_pres or any_rep:
+            flat = _to_device(_flat_index(out_rows, out_ids, V), device)
+            ones = torch.ones(flat.shape, dtype=torch.float32, device=device)
+            output_counts = torch.zeros(B * V, device=device).scatter_add_(0, flat, ones).view(B, V)
+        if any_rep:
+            flat = _to_device(_flat_index(prompt_rows, prompt_ids, V), device)
+            prompt_mask = torch.zeros(B * V, dtype=torch.bool, device=device)
+            prompt_mask = prompt_mask.index_fill_(0, flat, True).view(B, V)
+        asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+        num_greedy = int(host_i[3].sum())
+        return cls(
+            temperature=f[0],
+            top_p=f[1],
+            min_p=f[2],
+            presence_penalty=f[3],
+            frequency_penalty=f[4],
+            repetition_penalty=f[5],
+            top_k=i[0],
+            seeds=i[1],
+            steps=i[2],
+            is_greedy=i[3].bool(),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            vocab_size=V,
+            all_greedy=num_greedy == B,
+            any_greedy=num_greedy > 0,
+            do_frequency_presence=any_freq_pres,
+            do_top_k=bool((host_i[0] < V).any()),
+            do_top_p=bool((host_f[1] < 1).any()),
+            do_min_p=bool((host_f[2] > 0).any()),
+            num_logprobs=max(asked) if asked else None,
+        )
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
+
+
+def _flat_index(rows: list[int], ids: list[int], vocab_size: int) -> Tensor:
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    # Ids reach here from our tokenizer / model; the server rejects out-of-vocab prompt ids.
+    if ids_t.numel():
+        lo, hi = ids_t.aminmax()  # host tensor; aminmax is one pass (min() + max() are slow)
+        assert 0 <= int(lo) and int(hi) < vocab_size, "token id out of vocabulary"
+    return torch.tensor(rows, dtype=torch.int64) * vocab_size + ids_t
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        host = host.pin_memory()  # pinned so the copy is truly async (caching host allocator)
+    return host.to(device, non_blocking=True)
+
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 mul wraps mod 2**64).
+_GOLDEN = _wrap_int64(0x9E3779B97F4A7C15)
+_MUL1 = _wrap_int64(0xBF58476D1CE4E5B9)
+_MUL2 = _wrap_int64(0x94D049BB133111EB)
+
+
+def _mix64_(z: Tensor) -> Tensor:
+    """splitmix64 finalizer, in place on int64. torch's >> is arithmetic; masking the high bits
+    turns it into the logical shift of the unsigned value, so results match uint64 math."""
+    z ^= (z >> 30) & ((1 << 34) - 1)
+    z *= _MUL1
+    z ^= (z >> 27) & ((1 << 37) - 1)
+    z *= _MUL2
+    z ^= (z >> 31) & ((1 << 33) - 1)
+    return z
+
+
+def counter_uniform(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """u[b, v] in (0, 1), float32 (B, V): a pure function of (seeds[b], steps[b], v).
+
+    key = mix(mix(seed + G) + (step + 1) G); u[v] from mix(key + (v + 1) G), i.e. the splitmix64
+    stream seeded by key. The top 23 bits give u = (k + 0.5) / 2**23, exact in float32 and never
+    0 or 1, so -log(u) is finite and positive.
+    """
+    key = _mix64_(_mix64_(seeds + _GOLDEN) + (steps + 1) * _GOLDEN)  # (B,)
+    offsets = (torch.arange(vocab_size, device=seeds.device) + 1) * _GOLDEN  # (V,)
+    z = _mix64_(key[:, None] + offsets)  # (B, V)
+    bits = (z >> 41) & ((1 << 23) - 1)
+    return (bits.to(torch.float32) + 0.5) * 2.0**-23
+
+
+def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """vLLM order on raw logits: repetition over prompt + output tokens (divide positive logits,
+    multiply negative ones), then logit -= frequency * count + presence * (count > 0)."""
+    counts = t.output_counts  # (B, V)
+    assert counts is not None
+    if t.prompt_mask is not None:
+        seen = t.prompt_mask | (counts > 0)
+        rep = t.repetition_penalty[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if t.do_frequency_presence:
+        logits = logits - t.frequency_penalty[:, None] * counts
+        logits = logits - t.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def apply_top_k_top_p(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Mask to -inf all but the top_k largest logits (ties: lower index first), then all but the
+    smallest prefix (in that order) whose probability mass reaches top_p."""
+    V = logits.shape[-1]
+    # A stable descending sort puts equal logits in index order: that is the tie-break.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    if t.do_top_k:
+        rank = torch.arange(V, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(rank >= t.top_k[:, None], -math.inf)
+    if t.do_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep rank i iff the mass strictly before it is < top_p. Rank 0 has mass 0 before it, so
+        # one token always survives; top_p == 1 rows skip the test (cumsum rounding drops tails).
+        mass_before = probs.cumsum(dim=-1) - probs
+        top_p = t.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill((mass_before >= top_p) & (top_p < 1), -math.inf)
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Keep tokens with p >= min_p * p_max (p over the tokens that survived earlier masks)."""
+    probs = logits.softmax(dim=-1)
+    threshold = t.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def sample(logits: Tensor, t: SamplingTensors) -> SampleResult:
+    """One token per row of `logits` (B, V) (any float dtype; computed in float32). No host sync;
+    the input is not modified."""
+    assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, (logits.shape, t.vocab_size)
+    raw = logits.float()
+    x = apply_penalties(raw, t) if t.output_counts is not None else raw
+    greedy_ids = x.argmax(dim=-1) if t.any_greedy else None  # first maximum on ties
+    if t.all_greedy:
+        token_ids = greedy_ids
+    else:
+        x = x / t.temperature[:, None]
+        if t.do_top_k or t.do_top_p:
+            x = apply_top_k_top_p(x, t)
+        if t.do_min_p:
+            x = apply_min_p(x, t)
+        # Exponential race: with E_v = -log(u_v) ~ Exp(1) iid, argmax_v p_v / E_v is v with
+        # probability p_v. In log space log p_v = x_v - logsumexp(x) (a per-row constant), so
+        # argmax(x_v - log E_v) is the same draw without a softmax. Masked x = -inf never wins.
+        log_e = counter_uniform(t.seeds, t.steps, t.vocab_size).log_().neg_().log_()
+        token_ids = (x - log_e).argmax(dim=-1)
+        if greedy_ids is not None:
+            token_ids = torch.where(t.is_greedy, greedy_ids, token_ids)
+    assert token_ids is not None
+    if t.num_logprobs is None:
+        return SampleResult(token_ids, None, None, None)
+    # Logprobs of the raw model distribution (vLLM's default), not of the processed one.
+    all_logprobs = torch.log_softmax(raw, dim=-1)
+    logprobs = all_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    top_logprobs, top_ids = all_logprobs.topk(t.num_logprobs, dim=-1)
+    return SampleResult(token_ids, logprobs, top_ids, top_logprobs)

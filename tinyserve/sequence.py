@@ -1,0 +1,67 @@
+"""Per-sequence state: token ids, KV progress and lifecycle.
+
+A sequence owns `token_ids` (prompt + output) and a `block_table`. `num_kv_computed` counts the
+leading tokens whose KV is written; the scheduler moves it forward by whatever it schedules, so a
+prefill chunk, a decode step and a recompute after preemption are the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tinyserve.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # position among the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    max_tokens: int  # resolved: never None, never past max_model_len
+    arrival_time: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_kv_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+    def __post_init__(self) -> None:
+        assert 0 < self.num_prompt_tokens <= len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not written yet: 1 when decoding, more while (re)prefilling."""
+        return len(self.token_ids) - self.num_kv_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
