@@ -8,7 +8,6 @@ logits as transformers loading the GGUF itself.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import gguf
@@ -23,6 +22,7 @@ from tinyserve.tokenizer import Tokenizer
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 16, 4, 2, 24, 2
 HEAD_DIM = HIDDEN // HEADS
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QUESTION = "Why is the sky blue but red at sunset? Answer in two short sentences 🌍🌅."  # 52 tokens
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -102,14 +102,6 @@ def write_tiny_gguf(
     return hf
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    # Same cache dir as test_tokenizer.py's fixture: the SmolLM2 GGUF is converted once per session.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINYSERVE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tinyserve-cache"))
-        return default_model_path()
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_tiny_llama_roundtrip(tmp_path, tied):
     hf = write_tiny_gguf(tmp_path / "tiny.gguf", tied=tied)
@@ -139,6 +131,7 @@ def test_tiny_llama_roundtrip(tmp_path, tied):
         ({"arch": "gpt2"}, "unsupported architecture 'gpt2'"),
         ({"extra_tensor": "rope_freqs.weight"}, "rope_freqs"),
     ],
+    ids=["architecture", "tensor"],
 )
 def test_unsupported_gguf(tmp_path, kwargs, message):
     write_tiny_gguf(tmp_path / "bad.gguf", **kwargs)
@@ -163,31 +156,42 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
 
 
+def test_default_model_path_is_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYSERVE_CACHE_DIR", str(tmp_path))
+
+    def crash(gguf_path, out_dir):
+        (Path(out_dir) / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # killed half-way
+
+    monkeypatch.setattr("tinyserve.gguf.convert_gguf", crash)
+    with pytest.raises(KeyboardInterrupt):
+        default_model_path()
+    assert list(tmp_path.iterdir()) == []  # neither a half-written cache nor a temp dir
+
+    monkeypatch.setattr("tinyserve.gguf.convert_gguf", lambda g, out: Path(out, "ok").touch())
+    path = Path(default_model_path())
+    assert path == tmp_path / "SmolLM2-135M-Instruct" and [p.name for p in path.iterdir()] == ["ok"]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    monkeypatch.setattr("tinyserve.gguf.convert_gguf", crash)
+    assert default_model_path() == str(path)  # cached: not converted again
+
+
 @pytest.mark.slow
-def test_default_model_dir(model_dir):
-    path = Path(model_dir)
+def test_default_model_dir(smollm2_path):
+    path = Path(smollm2_path)
     files = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
     assert files | {"tokenizer_config.json"} == {p.name for p in path.iterdir()}
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp dir left behind
-    mtime = os.stat(path / "model.safetensors").st_mtime_ns
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINYSERVE_CACHE_DIR", str(path.parent))
-        assert default_model_path() == model_dir  # cached: not converted again
-    assert os.stat(path / "model.safetensors").st_mtime_ns == mtime
     config = json.loads((path / "config.json").read_text())
     assert config["torch_dtype"] == "float32" and config["tie_word_embeddings"] is True
-    assert (config["rope_theta"], config["rms_norm_eps"], config["vocab_size"]) == (
-        1e5,
-        1e-5,
-        49152,
-    )
+    assert config["vocab_size"] == 49152 and config["num_key_value_heads"] == 3
+    assert (config["rope_theta"], config["rms_norm_eps"]) == (1e5, 1e-5)  # not 9.99999974e-06
     tok_config = json.loads((path / "tokenizer_config.json").read_text())
     assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert tok_config["add_bos_token"] is False and "<|im_start|>" in tok_config["chat_template"]
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_gguf(model_dir):
+def test_logits_match_transformers_gguf(smollm2_path, hf_smollm2):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -195,22 +199,15 @@ def test_logits_match_transformers_gguf(model_dir):
     ref = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
-    ours = AutoModelForCausalLM.from_pretrained(model_dir)
+    ours = hf_smollm2  # transformers loading our converted directory
     assert ours.dtype == torch.float32 and ours.config.tie_word_embeddings
     ref_params, our_params = ref.state_dict(), ours.state_dict()
     assert ref_params.keys() == our_params.keys()
     for name, want in ref_params.items():
         assert torch.allclose(our_params[name], want, atol=1e-6, rtol=0), name
-    tok = Tokenizer.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template(
-        [
-            {
-                "role": "user",
-                "content": "Explain in two sentences why the sky is blue, then count to 5.",
-            }
-        ]
-    )
-    ids = torch.tensor([tok.encode(prompt)])
+    tok = Tokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = torch.tensor([tok.encode(tok.apply_chat_template(messages))])  # (1, T)
     assert ids.shape[1] >= 50
     with torch.no_grad():
         diff = (ours(ids).logits - ref(ids).logits).abs().max().item()

@@ -3,6 +3,7 @@
 Covers Llama (rope default/llama3/yarn/linear, biases), Qwen2 (qkv bias, tied), Qwen3 (q/k norm,
 head_dim != hidden/heads), MiMo (Qwen2 + skipped MTP weights), and the paged-KV path exactly as
 the engine drives it: chunked prefill, then decode, then mixed batches of several sequences.
+The slow test repeats the comparison on the real SmolLM2 checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tinyserve.config import ModelConfig
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
+from tinyserve.layers.rotary import compute_inv_freq
 from tinyserve.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -122,6 +124,15 @@ def test_logits_match_transformers(checkpoint):
     logits = ours.compute_logits(hidden)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}, LLAMA3, YARN])
+def test_inv_freq_is_computed_on_cpu_under_any_default_device(scaling):
+    # The loader builds the model inside `with device:`; inv_freq must still be the CPU float32
+    # computation HF does, or a CUDA build mixes devices (and rounds differently).
+    with torch.device("meta"):
+        inv_freq, _ = compute_inv_freq(16, 10000.0, scaling, max_position=64)
+    assert inv_freq.device.type == "cpu" and inv_freq.dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,3 +252,22 @@ def test_mimo_runs_qwen2_body_and_skips_mtp_weights(tmp_path):
     tokens = random_tokens(12, seed=4)
     logits = ours.compute_logits(ours(torch.tensor(tokens), torch.arange(len(tokens))))
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_path, hf_smollm2):
+    """The real checkpoint (30 layers, 9 heads / 3 kv heads, tied): plain forward, then the
+    same tokens as chunked prefill + decode through a paged cache."""
+    ours = load_ours(smollm2_path)
+    tokens = random_tokens(24, seed=5)
+    tokens = [t * 379 % ours.config.vocab_size for t in tokens]  # spread over the real vocab
+    expected = hf_logits(hf_smollm2, tokens)
+    with torch.no_grad():
+        logits = ours.compute_logits(ours(torch.tensor(tokens), torch.arange(len(tokens))))
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+    cache = PagedCache(ours, num_blocks=8, block_size=4, seed=2)
+    tables = [cache.allocate(len(tokens))]
+    for start, end in [(0, 9), (9, 20), (20, 21), (21, 22), (22, 23), (23, 24)]:
+        (logits,) = run_step(ours, cache, [tokens], tables, [(0, start, end)])
+        torch.testing.assert_close(logits, expected[start:end], atol=ATOL, rtol=0)

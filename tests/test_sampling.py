@@ -18,6 +18,7 @@ from tinyserve.sampling import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    counter_key,
     counter_uniform,
     sample,
 )
@@ -98,7 +99,10 @@ def rows_for(params, seeds=None, prompts=None, outputs=None):
     seeds = seeds if seeds is not None else list(range(n))
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
-    return [SamplingRow(p, s, pr, o) for p, s, pr, o in zip(params, seeds, prompts, outputs)]
+    return [
+        SamplingRow(p, s, pr, o)
+        for p, s, pr, o in zip(params, seeds, prompts, outputs, strict=True)
+    ]
 
 
 def ref_keep(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -209,19 +213,22 @@ def _mix64_ref(z: int) -> int:
 def _uniform_ref(seed: int, step: int, v: int) -> float:
     g, m = 0x9E3779B97F4A7C15, (1 << 64) - 1
     key = _mix64_ref(_mix64_ref(seed + g) + (step + 1) * g)
-    return ((_mix64_ref((key + (v + 1) * g) & m) >> 41) + 0.5) / 2**23
+    top = _mix64_ref((key + (v + 1) * g) & m) >> 41  # top 23 bits, unsigned
+    signed = top - 2**23 if top >= 2**22 else top
+    return (signed + 2**22 + 0.5) / 2**23
 
 
 def test_counter_uniform_matches_uint64_reference():
     seeds = [0, 1, -1, 2**63 - 1, -(2**63), 123456789]
     steps = [0, 7, 1, 1000, 3, 2**20]
-    u = counter_uniform(torch.tensor(seeds), torch.tensor(steps), 16)
-    for b, (s, k) in enumerate(zip(seeds, steps)):
+    u = counter_uniform(counter_key(torch.tensor(seeds), torch.tensor(steps)), 16)
+    for b, (s, k) in enumerate(zip(seeds, steps, strict=True)):
         assert u[b].tolist() == [_uniform_ref(s, k, v) for v in range(16)]
 
 
 def test_counter_uniform_range_and_moments():
-    u = counter_uniform(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096).double()
+    keys = counter_key(torch.arange(64), torch.zeros(64, dtype=torch.int64))
+    u = counter_uniform(keys, 4096).double()
     assert u.min() > 0 and u.max() < 1
     assert abs(u.mean() - 0.5) < 3e-3 and abs(u.var() - 1 / 12) < 3e-3
     # Consecutive vocab indices and consecutive seeds are uncorrelated.
@@ -283,7 +290,7 @@ def test_different_seeds_differ():
     for step in range(5):
         rows = rows_for([p, p], seeds=[1, 2], outputs=[[0] * step, [0] * step])
         tokens.append(sample(logits, SamplingTensors.build(rows, V, "cpu")).token_ids.tolist())
-    first, second = zip(*tokens)
+    first, second = zip(*tokens, strict=True)
     assert first != second
     assert len(set(first)) > 1  # the step advances the stream
 
@@ -326,7 +333,8 @@ def test_distribution_temperature(vary):
     p = SamplingParams(temperature=0.7)
     t = SamplingTensors.build(rows_for([p] * N_DRAWS, seeds=list(range(N_DRAWS))), V, "cpu")
     if vary == "steps":  # one seed, 20k consecutive steps
-        t = dataclasses.replace(t, seeds=torch.full((N_DRAWS,), 42), steps=torch.arange(N_DRAWS))
+        keys = counter_key(torch.full((N_DRAWS,), 42), torch.arange(N_DRAWS))
+        t = dataclasses.replace(t, rng_keys=keys)
     tokens = sample(logits.expand(N_DRAWS, V), t).token_ids
     assert _chi2_pvalue(tokens, torch.softmax(logits.double() / 0.7, -1)) > 0.01
 
@@ -470,7 +478,8 @@ def test_build_flags_and_top_k_clamp():
     t = SamplingTensors.build(rows_for([SamplingParams(top_k=1000)]), V, "cpu")
     assert not t.do_top_k and t.top_k.tolist() == [V]
     t = SamplingTensors.build(rows_for([SamplingParams(seed=2**70)], seeds=[2**70 + 5]), V, "cpu")
-    assert t.seeds.tolist() == [5]  # seeds wrap modulo 2**64
+    want = counter_key(torch.tensor([5]), torch.tensor([0]))  # seeds wrap modulo 2**64
+    assert torch.equal(t.rng_keys, want)
 
 
 # --------------------------------------------------------------------------- device
@@ -499,8 +508,8 @@ def test_cuda_no_sync_and_same_randomness_as_cpu():
         res = sample(logits, t)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    u_cpu = counter_uniform(t.seeds.cpu(), t.steps.cpu(), V)
-    assert torch.equal(counter_uniform(t.seeds, t.steps, V).cpu(), u_cpu)
+    u_cpu = counter_uniform(t.rng_keys.cpu(), V)
+    assert torch.equal(counter_uniform(t.rng_keys, V).cpu(), u_cpu)
     cpu = sample(logits.cpu(), SamplingTensors.build(rows, V, "cpu"))
     plain = [i for i in range(B) if i % 3 != 0]  # rows without top-p boundary rounding
     assert torch.equal(res.token_ids.cpu()[plain], cpu.token_ids[plain])

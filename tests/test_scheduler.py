@@ -61,14 +61,14 @@ def test_max_num_seqs_limits_admission():
 
 
 def test_preemption_frees_newest_and_requeues_it_first():
-    pool = BlockPool(4, 4)  # 16 token slots
+    pool = BlockPool(5, 4)  # 20 token slots: one 18-token sequence fits, two do not
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
     a, b = make_seq(8, max_tokens=10), make_seq(8, max_tokens=10)
     sched.add(a)
     sched.add(b)
-    run_step(sched)  # both prefilled: 2 blocks each, pool full
-    assert pool.num_free_blocks == 0
-    run_step(sched)  # a crosses into a 3rd block: b is preempted
+    run_step(sched)  # both prefilled: 2 blocks each
+    assert pool.num_free_blocks == 1
+    run_step(sched)  # a takes the last block for position 8; b needs one too: b is preempted
     assert b.status is SequenceStatus.WAITING and b.num_kv_computed == 0
     assert sched.waiting[0] is b and b.num_preemptions == 1
     while sched.has_work:

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from tinyserve.gguf import default_gguf_path, default_model_path
+from tinyserve.gguf import default_gguf_path
 from tinyserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 TINY_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('bad role') }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if tools %}{{ tools | tojson }}{% endif %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -87,16 +87,8 @@ def tiny(tiny_dir) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    # Same cache dir as test_gguf.py's fixture: the SmolLM2 GGUF is converted once per session.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINYSERVE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tinyserve-cache"))
-        return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def smol(model_dir) -> Tokenizer:
-    return Tokenizer.from_pretrained(model_dir)
+def smol(smollm2_path) -> Tokenizer:
+    return Tokenizer.from_pretrained(smollm2_path)  # smollm2_path: conftest.py, converted once
 
 
 @pytest.fixture(scope="session")
@@ -152,6 +144,8 @@ def test_chat_template_tiny(tiny):
     assert out.endswith('[{"name": "f", "description": "é <b>"}]')  # no HTML escaping, UTF-8
     with pytest.raises(ChatTemplateError, match="bad role"):
         tiny.apply_chat_template([{"role": "bad", "content": "x"}])
+    with pytest.raises(ChatTemplateError):  # content is concatenated as a string
+        tiny.apply_chat_template([{"role": "user", "content": [{"type": "text"}]}])
 
 
 def test_missing_chat_template(tiny_dir, tmp_path):
@@ -224,16 +218,20 @@ def test_stream_property(request, tok_name, data):
     ids = tok.encode(text)
     chunk = data.draw(st.integers(1, 3))
     det = IncrementalDetokenizer(tok, [], stop=stop)
+    expected = expected_output(tok.decode(ids), stop)
     released = ""
     for i in range(0, len(ids), chunk):
         released += det.add(ids[i : i + chunk])
-        # Never a partial character, nor (while running) a tail that could start a stop.
-        assert "\ufffd" not in released
-        if not det.stopped:
-            tails = [released[-k:] for k in range(1, len(released) + 1)]
-            assert not any(s.startswith(t) and s != t for s in stop for t in tails)
+        # A client never sees a partial character nor any part of a stop string that matches.
+        assert "\ufffd" not in released and expected.startswith(released)
+        # ... and holds back only text from the first position where a stop could still start.
+        so_far = tok.decode(ids[: i + chunk])
+        if not det.stopped and not so_far.endswith("\ufffd"):
+            n = len(so_far)
+            q = next((p for p in range(n) if any(s.startswith(so_far[p:]) for s in stop)), n)
+            assert released == so_far[:q]
     released += det.flush()
-    assert released == det.text == expected_output(tok.decode(ids), stop)
+    assert released == det.text == expected
 
 
 # --- SmolLM2 tokenizer vs transformers (slow) ---

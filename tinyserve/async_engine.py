@@ -63,10 +63,14 @@ class AsyncEngine:
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        finished = False
         try:
             self.engine.add_request(request_id, prompt, params)
-            self._wake.set()
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        finished = False
+        try:
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):

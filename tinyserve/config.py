@@ -205,6 +205,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     device: str | None = None  # None = "cuda" if available else "cpu"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -64,7 +64,9 @@ class LLMEngine:
         device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, device)
         self.runner = ModelRunner(self.model_config, config, self.dtype)
-        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
+        self.pool = BlockPool(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         capacity = self.pool.num_blocks * config.block_size
         limit = config.max_model_len or self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > capacity:
@@ -92,9 +94,18 @@ class LLMEngine:
     # -- request lifecycle ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        mm_spans: list[tuple[int, int, str]] = (),
     ) -> None:
-        """Validate and queue a request; raises InvalidParameter for bad input (nothing queued)."""
+        """Validate and queue a request; raises InvalidParameter for bad input (nothing queued).
+
+        `cache_salt` isolates the request's prefix-cache entries from other salts (tenants);
+        `mm_spans` are (start, end, content hash) of media placeholder ranges in the prompt.
+        """
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
@@ -123,7 +134,8 @@ class LLMEngine:
             seed = base_seed if i == 0 else hash((base_seed, i)) & _SEED_MASK
             req.seqs.append(
                 Sequence(self._next_seq_id, request_id, i, list(prompt_ids), len(prompt_ids),
-                         params, seed, max_tokens, req.arrival_time)
+                         params, seed, max_tokens, req.arrival_time, cache_salt=cache_salt,
+                         mm_spans=tuple(mm_spans))
             )  # fmt: skip
             self._next_seq_id += 1
             req.detoks.append(
@@ -162,6 +174,7 @@ class LLMEngine:
             # 4) post-process: advance KV, append tokens, stop checks, detokenize, free
             for seq, num in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_kv_computed += num
+                self.pool.commit(seq)  # full blocks of final tokens enter the trie
             for i, out in zip(sampled, outs):
                 self._append_token(deltas, batch.seqs[i], out)
         for rid in [rid for rid, d in deltas.items() if d.finished]:

@@ -109,7 +109,7 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
     written: dict[tuple[str, str | int | None], str] = {}  # (param, shard) -> checkpoint name
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+            for ckpt_name in f.keys():
                 if _skipped(ckpt_name, model):
                     continue
                 key = _target(ckpt_name, model.packed_modules_mapping)

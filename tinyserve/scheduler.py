@@ -1,10 +1,15 @@
-"""Token-budget scheduler: continuous batching with chunked prefill and recompute preemption.
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix hits, preemption.
 
-There are no prefill or decode phases (vLLM v1's idea): every step each sequence is given some
-number of its uncomputed tokens under `max_num_batched_tokens`. Decode rows (1 token) go first,
-then partial prefills resume, then waiting prompts are admitted while budget, `max_num_seqs` and KV
-allow. KV is allocated chunk by chunk. When KV runs out, the newest running sequence is preempted
-(its blocks freed, recomputed later). No CUDA here: this is unit-tested with plain lists.
+There are no prefill or decode phases (vLLM v1's idea): every step each sequence gets some of
+its uncomputed tokens under `max_num_batched_tokens`, and KV is allocated for exactly those
+tokens (chunk by chunk; `kv_token_limit`). Order within a step:
+  1) decode rows (1 token each): running sequences keep decoding while a long prompt is chunked;
+  2) short partial prefills, and long ones that have waited AGING_STEPS steps (aging);
+  3) waiting prompts, admitted FIFO while budget, `max_num_seqs` and KV allow; admission first
+     matches the prefix trie, as one transaction undone if the first chunk's KV does not fit;
+  4) long partial prefills take what budget is left, so short prompts are not starved.
+Under KV pressure the newest sequence still prefilling yields first (its committed blocks stay
+cached), then the newest decoding one is preempted (recompute). No CUDA here.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 
 from tinyserve.block_pool import BlockPool
 from tinyserve.sequence import Sequence, SequenceStatus
+
+AGING_STEPS = 4  # a long prefill waits at most this many steps behind short prompts
 
 
 @dataclass(slots=True)
@@ -32,69 +39,108 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_tokens: int | None = None,
+    ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A prefill with more tokens left than this is "long" and yields to short prompts.
+        self.long_prefill_tokens = long_prefill_tokens or max(1, max_num_batched_tokens // 4)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # admission order
+        self.num_steps = 0
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        # NOTE: the engine rejects a sequence whose worst case cannot fit the whole pool, so
-        # every waiting sequence can run once the others are done: no hang.
+        # NOTE: the engine admits no sequence longer than the whole pool, so every waiting
+        # sequence can run once the others are done: no hang.
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        nums: list[int] = []
-        scheduled: set[Sequence] = set()
-        # 1) running sequences: decode rows first, then partial prefills, in admission order
-        order = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
-        for seq in order:
-            if budget == 0:
+        self.num_steps += 1
+        self._budget = self.max_num_batched_tokens
+        self._batch: list[Sequence] = []
+        self._nums: list[int] = []
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        long = [s for s in prefilling if s.num_uncomputed > self.long_prefill_tokens]
+        starved = [s for s in long if self.num_steps - s.last_scheduled_step > AGING_STEPS]
+        # 1) decode rows, 2) short and starved prefills
+        for seq in decoding + [s for s in prefilling if s not in long] + starved:
+            self._schedule_running(seq)
+        # 3) admit waiting prompts (preempted ones sit at the front)
+        while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._admit(self.waiting[0]):
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num = min(seq.num_uncomputed, budget)
-            while not self.pool.can_append(seq, num):
-                # the newest sequence not already in this batch; at worst `seq` itself
-                victim = next(s for s in reversed(self.running) if s not in scheduled)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self.pool.may_append(seq, num)
-            scheduled.add(seq)
-            seqs.append(seq)
-            nums.append(num)
-            budget -= num
-        # 2) admit waiting prompts (preempted ones sit at the front) while everything allows
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            num = min(seq.num_uncomputed, budget)
-            if not self.pool.can_append(seq, num):
-                break
-            self.waiting.popleft()
-            self.pool.may_append(seq, num)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            seqs.append(seq)
-            nums.append(num)
-            budget -= num
-        return ScheduledBatch(seqs, nums) if seqs else None
+        # 4) long prefills take the rest
+        for seq in long:
+            if seq not in starved:
+                self._schedule_running(seq)
+        if not self._batch:
+            return None
+        return ScheduledBatch(self._batch, self._nums)
+
+    def _schedule_running(self, seq: Sequence) -> None:
+        if self._budget == 0 or seq.status is not SequenceStatus.RUNNING:
+            return  # out of budget, or preempted earlier in this step
+        num = min(seq.num_uncomputed, self._budget)
+        while not self.pool.can_append(seq, num):
+            victim = self._pick_victim()
+            self._preempt(victim)
+            if victim is seq:
+                # NOTE: a sequence alone can always grow (it fits the whole pool); anything
+                # else would livelock here.
+                assert self._batch or self.running, "a sequence outgrew the whole KV pool"
+                return
+        self._take(seq, num)
+
+    def _admit(self, seq: Sequence) -> bool:
+        matched = self.pool.match_prefix(seq)  # tentative: undone below if KV does not fit
+        num = min(seq.num_uncomputed, self._budget)
+        if not self.pool.can_append(seq, num):
+            self.pool.free_seq(seq)
+            seq.num_kv_computed = 0
+            return False
+        self.waiting.popleft()
+        if seq.num_preemptions == 0:  # hit statistics describe first admissions only
+            seq.num_cached_tokens = matched
+            if self.pool.trie is not None:
+                self.pool.trie.num_query_tokens += seq.num_prompt_tokens
+                self.pool.trie.num_hit_tokens += matched
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._take(seq, num)
+        return True
+
+    def _take(self, seq: Sequence, num: int) -> None:
+        self.pool.may_append(seq, num)
+        seq.last_scheduled_step = self.num_steps
+        self._batch.append(seq)
+        self._nums.append(num)
+        self._budget -= num
+
+    def _pick_victim(self) -> Sequence:
+        """Newest unscheduled sequence that is still prefilling, else the newest unscheduled."""
+        candidates = [s for s in reversed(self.running) if s not in self._batch]
+        prefilling = [s for s in candidates if s.num_uncomputed > 1]
+        return (prefilling or candidates)[0]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
+        """Recompute preemption: drop the KV (committed blocks stay cached), requeue first."""
         self.running.remove(seq)
         self.pool.free_seq(seq)
         seq.num_kv_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -109,8 +155,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def check_invariants(self) -> None:
-        live = [*self.running, *self.waiting]
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in self.waiting)
         assert len(self.running) <= self.max_num_seqs
-        self.pool.check_invariants(live)
+        self.pool.check_invariants([*self.running, *self.waiting])

@@ -33,8 +33,14 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_kv_computed: int = 0
     block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    kv_token_limit: int = 0  # KV slots owned: up to the end of the scheduled chunk, no more
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix trie at first admission
+    num_committed_blocks: int = 0  # leading blocks already inserted into the prefix trie
+    trie_node: object | None = None  # trie node of the last committed block (insert cursor)
+    cache_salt: str | None = None  # isolates tenants: part of the first block's key
+    mm_spans: tuple[tuple[int, int, str], ...] = ()  # (start, end, content hash) of media
     num_preemptions: int = 0
+    last_scheduled_step: int = 0  # for aging: long prefills are not starved forever
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 

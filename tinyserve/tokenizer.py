@@ -122,7 +122,9 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:
+            # TypeError: messages the template cannot handle, e.g. a list `content` where it
+            # concatenates strings; like raise_exception, that is the client's error.
             raise ChatTemplateError(f"chat template error: {e}") from e
 
 
@@ -163,8 +165,8 @@ class IncrementalDetokenizer:
 
     Stop strings: a stop may span tokens. Text is released only up to the point where no stop can
     begin: the longest tail that is a proper prefix of some stop string is held back until later
-    text resolves it. Invariant: released text contains no stop and no stop prefix at its end, so
-    a new match can only start in the unreleased part.
+    text resolves it. Invariant: no stop can start inside the released text (every released
+    position was ruled out), so matches are searched for only in the unreleased part.
     """
 
     def __init__(
@@ -184,6 +186,7 @@ class IncrementalDetokenizer:
         self.output = ""  # decoded output text, including the held-back tail
         self.num_released = 0  # chars of `output` returned so far
         self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that matched
 
     @property
     def text(self) -> str:
@@ -222,9 +225,11 @@ class IncrementalDetokenizer:
         if self.stop:
             # Stop at the match that completes first (ties: the one starting first), as a
             # character-by-character stream would, so chunking cannot change the result.
-            matches = [(i + len(s), i) for s in self.stop if (i := self.output.find(s, start)) >= 0]
+            matches = [
+                (i + len(s), i, s) for s in self.stop if (i := self.output.find(s, start)) >= 0
+            ]
             if matches:
-                end = min(matches)[1]
+                _, end, self.stop_reason = min(matches)
                 self.stopped = True
             elif not is_final:
                 end -= self._num_held_back(start)

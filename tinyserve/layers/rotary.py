@@ -81,7 +81,8 @@ def _yarn_inv_freq(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((ramp - low) / (high - low), 0, 1)
     extrapolation_factor = 1 - ramp
 
     pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)

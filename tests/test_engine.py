@@ -1,0 +1,137 @@
+"""End-to-end engine behaviour on the real SmolLM2 (fp32, CPU) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyserve import LLM, InvalidParameter, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three colors:",
+    "東京は日本の首都です。",
+    "Translate to French: I love programming because",
+    "1, 2, 3, 4, 5,",
+    "Q: Why is the sky blue?\nA:",
+]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_batch_matches_transformers(smollm2_llm, hf_smollm2):
+    tok = smollm2_llm.tokenizer
+    # min_tokens masks EOS like transformers' min_new_tokens does, so both run 64 tokens
+    params = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)
+    outs = smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, ids, 64), prompt
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+    smollm2_llm.engine.check_invariants()
+
+
+def test_mixed_batch_equals_each_alone(smollm2_llm):
+    tok = smollm2_llm.tokenizer
+    base = tok.encode(" ".join(PROMPTS))
+    prompts = [base[(7 * i) % 40 : (7 * i) % 40 + 3 + (11 * i) % 60] for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    for p, out in zip(prompts, together):
+        alone = smollm2_llm.generate([p], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    smollm2_llm.engine.check_invariants()
+
+
+def test_preemption_gives_identical_outputs(smollm2_path, smollm2_llm):
+    prompts = PROMPTS[:6]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    # 8 blocks of 8 tokens: one sequence fits, six do not -> preemption and recompute
+    small = LLM(smollm2_path, dtype="float32", device="cpu", block_size=8, num_kv_blocks=8)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert small.engine.scheduler.num_preemptions > 0
+    small.engine.check_invariants()
+    assert small.engine.pool.num_free_blocks == 8
+    # a request that can never fit the pool is refused up front, not left to hang
+    with pytest.raises(InvalidParameter, match="maximum context length"):
+        small.generate([list(range(100))], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_chat_answers_paris(smollm2_llm):
+    out = smollm2_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=20),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # ends with <|im_end|>, not the length cap
+
+
+def test_stop_strings_stop_ids_and_n(smollm2_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = smollm2_llm.generate([PROMPTS[2]], greedy, use_tqdm=False)[0].outputs[0]
+    word = full.text.split()[3]
+    stopped = smollm2_llm.generate(
+        [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, stop=[word]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == word
+    assert word not in stopped.text and full.text.startswith(stopped.text)
+    tid = full.token_ids[5]
+    by_id = smollm2_llm.generate(
+        [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tid]),
+        use_tqdm=False,
+    )[0].outputs[0]  # fmt: skip
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
+    assert by_id.stop_reason == tid
+    multi = smollm2_llm.generate(
+        [PROMPTS[0]], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=3), use_tqdm=False
+    )[0]
+    assert [o.index for o in multi.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in multi.outputs}) > 1
+    smollm2_llm.engine.check_invariants()
+
+
+def test_seeded_sampling_reproducible_across_batches(smollm2_llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=1234)
+    alone = smollm2_llm.generate([PROMPTS[3]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16)
+    mixed = smollm2_llm.generate(
+        [PROMPTS[0], PROMPTS[3], PROMPTS[5]], [others, seeded, others], use_tqdm=False
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_logprobs_are_consistent(smollm2_llm):
+    out = smollm2_llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and len(lp) >= 3
+        assert lp[tok] == pytest.approx(max(lp.values()), abs=1e-5)  # greedy picks the top
+
+
+def test_invalid_requests_raise_typed_errors(smollm2_llm):
+    with pytest.raises(InvalidParameter) as e:
+        smollm2_llm.generate([[]], use_tqdm=False)
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidParameter) as e:
+        smollm2_llm.generate([[10**9]], use_tqdm=False)
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidParameter) as e:
+        smollm2_llm.generate(["hi"], SamplingParams(max_tokens=10**7), use_tqdm=False)
+    assert e.value.param == "max_tokens"
+    assert not smollm2_llm.engine.has_unfinished()
