@@ -15,8 +15,8 @@ _ids = iter(range(10**9))
 
 def make_seq(prompt_len: int, max_tokens: int = 8) -> Sequence:
     i = next(_ids)
-    return Sequence(i, str(i), 0, list(range(prompt_len)), prompt_len, SamplingParams(), 0,
-                    max_tokens)  # fmt: skip
+    tokens = [i * 1000 + j for j in range(prompt_len)]  # distinct: no prefix sharing here
+    return Sequence(i, str(i), 0, tokens, prompt_len, SamplingParams(), 0, max_tokens)
 
 
 def run_step(sched: Scheduler) -> list[Sequence]:

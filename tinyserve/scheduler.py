@@ -7,6 +7,7 @@ tokens (chunk by chunk; `kv_token_limit`). Order within a step:
   2) short partial prefills, and long ones that have waited AGING_STEPS steps (aging);
   3) waiting prompts, admitted FIFO while budget, `max_num_seqs` and KV allow; admission first
      matches the prefix trie, as one transaction undone if the first chunk's KV does not fit;
+     a prompt whose next block another sequence is prefilling right now waits to hit it;
   4) long partial prefills take what budget is left, so short prompts are not starved.
 Under KV pressure the newest sequence still prefilling yields first (its committed blocks stay
 cached), then the newest decoding one is preempted (recompute). No CUDA here.
@@ -77,10 +78,12 @@ class Scheduler:
         # 1) decode rows, 2) short and starved prefills
         for seq in decoding + [s for s in prefilling if s not in long] + starved:
             self._schedule_running(seq)
-        # 3) admit waiting prompts (preempted ones sit at the front)
-        while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0]):
+        # 3) admit waiting prompts in order (preempted ones sit at the front)
+        for seq in list(self.waiting):
+            if self._budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if self._admit(seq) is None:
+                break  # no KV for its first chunk: later prompts wait too (FIFO)
         # 4) long prefills take the rest
         for seq in long:
             if seq not in starved:
@@ -103,14 +106,16 @@ class Scheduler:
                 return
         self._take(seq, num)
 
-    def _admit(self, seq: Sequence) -> bool:
-        matched = self.pool.match_prefix(seq)  # tentative: undone below if KV does not fit
+    def _admit(self, seq: Sequence) -> bool | None:
+        """Admitted (True), deferred a step (False), or no KV for its first chunk (None)."""
+        matched = self.pool.match_prefix(seq)  # tentative: undone below unless admitted
         num = min(seq.num_uncomputed, self._budget)
-        if not self.pool.can_append(seq, num):
+        in_flight = self._is_in_flight(seq, matched)
+        if in_flight or not self.pool.can_append(seq, num):
             self.pool.free_seq(seq)
             seq.num_kv_computed = 0
-            return False
-        self.waiting.popleft()
+            return False if in_flight else None
+        self.waiting.remove(seq)
         if seq.num_preemptions == 0:  # hit statistics describe first admissions only
             seq.num_cached_tokens = matched
             if self.pool.trie is not None:
@@ -120,6 +125,24 @@ class Scheduler:
         self.running.append(seq)
         self._take(seq, num)
         return True
+
+    def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
+        """Is a running sequence prefilling the very block `seq` would compute next? Then `seq`
+        waits for it to be committed and hits it, instead of computing the same KV twice."""
+        if self.pool.trie is None:
+            return False
+        end = matched + self.pool.block_size
+        if end >= seq.num_tokens:
+            return False  # the last token is never matched anyway
+        head = seq.token_ids[:end]
+        return any(
+            other.num_uncomputed > 1
+            and other.num_kv_computed < end <= other.num_tokens
+            and other.cache_salt == seq.cache_salt
+            and other.mm_spans == seq.mm_spans
+            and other.token_ids[:end] == head
+            for other in self.running
+        )
 
     def _take(self, seq: Sequence, num: int) -> None:
         self.pool.may_append(seq, num)
