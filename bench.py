@@ -3,6 +3,11 @@
 Workloads:
   cpu   SmolLM2-135M (or --model) greedy decode at batch 1 and batch 32 next to transformers
         `generate` on the same prompts, with this machine's measured copy and GEMM ceilings.
+  kernels  (CUDA) each Triton kernel in kernels/ vs its torch version (eager, torch.compile)
+        at real shapes, timed as CUDA-graph replays, as GB/s and a fraction of the copy rate.
+  serve  an online client against a running `tinyserve run` (--url): request-rate and
+        concurrency sweeps over random or fixed lengths; TTFT, TPOT, ITL (median, p99) and
+        throughput as vLLM defines them, and /health latency probed during the run.
 Every figure is measured in this run; ratios compare numbers from this same run.
 """
 
@@ -123,25 +128,721 @@ def bench_cpu(args) -> dict:
     return res
 
 
+def _graph_us(fn, sets, reps: int = 25) -> float:
+    """Median microseconds per fn(*s) call: one CUDA graph runs fn over every input set (no
+    launch gaps; the sets rotate so weights and KV stream from HBM, not L2)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, autotunes, allocates outside capture
+        for _ in range(2):
+            for s in sets:
+                fn(*s)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in sets:
+            fn(*s)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2] * 1e3 / len(sets)
+
+
+def _kernel_row(res, name, shape, nbytes, flops, make_set, triton_fn, torch_fns, **extra):
+    """Times triton_fn and each torch version on the same input sets; appends one row."""
+    sets = [make_set() for _ in range(max(1, min(64, -(-(256 << 20) // nbytes))))]
+    row = {"kernel": name, "shape": shape, **extra}
+    for label, fn in [("triton", triton_fn), *torch_fns.items()]:
+        try:
+            row[f"{label}_us"] = round(_graph_us(fn, sets), 2)
+        except Exception as e:  # noqa: BLE001 - a failing variant must not end the run
+            row[f"{label}_us"], row[f"{label}_error"] = None, f"{type(e).__name__}: {e}"[:200]
+    t = row["triton_us"]
+    if t:
+        row["GBps"] = round(nbytes / t / 1e3, 1)
+        row["frac_copy"] = round(nbytes / t / 1e3 / res["ceilings"]["copy_GBps"], 3)
+        if flops:
+            row["TFLOPs"] = round(flops / t / 1e6, 1)
+        torch_us = [row[f"{k}_us"] for k in torch_fns if row.get(f"{k}_us")]
+        if torch_us:
+            row["speedup_vs_best_torch"] = round(min(torch_us) / t, 2)
+    res["rows"].append(row)
+    keys = ("kernel", "shape", "cfg", "GBps", "frac_copy", "TFLOPs", "speedup_vs_best_torch")
+    shown = [k for k in row if k in keys or k.endswith("_us")]
+    print("  ".join(f"{k}={row[k]}" for k in shown), flush=True)
+
+
+def _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size):
+    """bf16 q (T, Hq, D), caches with shuffled blocks, and the matching AttentionMetadata."""
+    from tinyserve.layers.attention import AttentionMetadata
+
+    dev, bf16 = "cuda", torch.bfloat16
+    per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(per_seq) + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, device=dev, dtype=bf16) for _ in range(2))
+    ids = torch.randperm(num_blocks - 1, device=dev).int() + 1
+    table = torch.zeros(len(context_lens), max(per_seq), dtype=torch.int32, device=dev)
+    for b, off in enumerate(torch.tensor([0, *per_seq]).cumsum(0)[:-1].tolist()):
+        table[b, : per_seq[b]] = ids[off : off + per_seq[b]]
+    cu = torch.tensor([0, *query_lens], device=dev).cumsum(0).int()
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=dev)
+    md = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64, device=dev),
+                           block_tables=table, cu_seqlens_q=cu, context_lens=lens,
+                           query_lens_cpu=list(query_lens), context_lens_cpu=list(context_lens),
+                           max_context_len=max(context_lens),
+                           is_decode_only=all(n == 1 for n in query_lens))  # fmt: skip
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device=dev, dtype=bf16)
+    return q, k_cache, v_cache, md
+
+
+def _sweep(res, name, shape, nbytes, make_set, fn, cfgs) -> None:
+    """One row per launcher config (keyword arguments), timed like the default."""
+    for cfg in cfgs:
+        _kernel_row(res, f"{name}[sweep]", shape, nbytes, 0, make_set,
+                    lambda *s, cfg=cfg: fn(*s, **cfg), {}, cfg=cfg)  # fmt: skip
+
+
+def _bench_attention(res) -> None:
+    import torch.nn.functional as F
+    from tinyserve.kernels.decode_attention import decode_attention
+    from tinyserve.kernels.prefill_attention import prefill_attention
+
+    from tinyserve.layers import attention as layer
+
+    scale = 128**-0.5
+    decode_sweeps = {  # (batch, ctx) of llama-3.1-8b -> configs compared with the default
+        (64, 4096): [dict(num_splits=s, num_stages=st) for s in (1, 2) for st in (3, 4)],
+        (1, 4096): [dict(num_splits=s) for s in (16, 32, 64)],
+        (8, 16384): [dict(num_splits=s) for s in (4, 8, 16)],
+    }
+    for model, hq, batch, ctx in (
+        ("llama-3.1-8b", 32, 64, 4096),
+        ("llama-3.1-8b", 32, 1, 4096),
+        ("llama-3.1-8b", 32, 8, 16384),
+        ("qwen3-0.6b", 16, 64, 4096),
+    ):
+        nbytes = 2 * batch * ctx * 8 * 128 * 2 + 2 * batch * hq * 128 * 2  # KV + q + out
+
+        def make_set(batch=batch, ctx=ctx, hq=hq):  # fresh caches: no L2 reuse across sets
+            q, k, v, md = _paged_inputs([1] * batch, [ctx] * batch, hq, 8, 128, 16)
+            gather = md.block_tables.long()  # contiguous (B, Hkv, L, D) copies for SDPA
+            kc, vc = (x[gather].flatten(1, 2).transpose(1, 2).contiguous() for x in (k, v))
+            return q.view(batch, hq, 128), k, v, md, kc, vc
+
+        def tri(q, k, v, md, kc, vc, **cfg):
+            return decode_attention(q, k, v, md.block_tables, md.context_lens, scale,
+                                    max_context_len=md.max_context_len, **cfg)  # fmt: skip
+
+        def eager(q, k, v, md, kc, vc):
+            return layer.decode_attention_ref(q, k, v, md, scale)
+
+        def sdpa(q, k, v, md, kc, vc):  # contiguous KV, not paged: a bound for torch
+            return F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=scale,
+                                                  enable_gqa=True)  # fmt: skip
+
+        torch_fns = {"eager": eager, "sdpa_contiguous": sdpa}
+        if batch == 64:
+            torch_fns["compile"] = torch.compile(eager, dynamic=False)
+        shape = f"{model} B={batch} ctx={ctx} bs=16"
+        _kernel_row(res, "decode_attention", shape, nbytes, 0, make_set, tri, torch_fns)
+        if model == "llama-3.1-8b":
+            _sweep(res, "decode_attention", shape, nbytes, make_set, tri,
+                   decode_sweeps[batch, ctx])  # fmt: skip
+    # Prefill: fresh prompts, chunks after a cached prefix, and a mixed decode + prefill batch.
+    prefill_cfgs = [dict(block_m=128, block_n=128, num_warps=8),
+                    dict(block_m=128, block_n=64, num_warps=4),
+                    dict(block_m=64, block_n=64, num_warps=4),
+                    dict(block_m=64, block_n=128, num_warps=4),
+                    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+                    dict(block_m=128, block_n=128, num_warps=8, num_stages=2)]  # fmt: skip
+    for label, query_lens, lens in (
+        ("4 x 2048 fresh", [2048] * 4, [2048] * 4),
+        ("8 x 512 after 1536 cached", [512] * 8, [2048] * 8),
+        ("32 decode ctx 2048 + 2 x 1024 chunks", [1] * 32 + [1024] * 2, [2048] * 32 + [1024, 3072]),
+    ):
+        visible = sum(sum(range(n - ql + 1, n + 1)) for ql, n in zip(query_lens, lens))
+        nbytes = 2 * sum(lens) * 8 * 128 * 2 + 2 * sum(query_lens) * 32 * 128 * 2
+
+        def tri(q, k, v, md, **cfg):
+            return prefill_attention(q, k, v, md.block_tables, md.cu_seqlens_q, md.context_lens,
+                                     max(md.query_lens_cpu), scale, **cfg)  # fmt: skip
+
+        def eager(q, k, v, md):
+            return layer.prefill_attention_ref(q, k, v, md, scale)
+
+        def make_set(ql=query_lens, n=lens):
+            return _paged_inputs(ql, n, 32, 8, 128, 16)
+
+        shape = f"llama-3.1-8b {label}"
+        flops = 4 * 32 * 128 * visible
+        _kernel_row(res, "prefill_attention", shape, nbytes, flops, make_set, tri, {"eager": eager})
+        for cfg in prefill_cfgs:
+            _kernel_row(res, "prefill_attention[sweep]", shape, nbytes, flops, make_set,
+                        lambda *s, cfg=cfg: tri(*s, **cfg), {}, cfg=cfg)  # fmt: skip
+
+
+def _bench_small_ops(res) -> None:
+    import torch.nn.functional as F
+    from tinyserve.kernels.gemv import gemv
+    from tinyserve.kernels.rms_norm import rms_norm, rms_norm_ref
+    from tinyserve.kernels.rotary import rotary_embedding
+    from tinyserve.kernels.sampling import sample_race, sample_race_ref
+    from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref
+    from tinyserve.kernels.store_kv import store_kv
+
+    from tinyserve.layers import attention as layer
+    from tinyserve.layers.rotary import apply_rotary
+
+    dev, bf16 = "cuda", torch.bfloat16
+
+    def rnd(*shape, dtype=bf16):
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    def both(eager):
+        return {"eager": eager, "compile": torch.compile(eager, dynamic=False)}
+
+    def norm(x, r, w, **cfg):
+        return rms_norm(x, w, 1e-6, r, **cfg)
+
+    norm_cfgs = {1024: [dict(block_m=bm, num_warps=nw) for bm, nw in
+                        ((1, 2), (1, 4), (2, 4), (4, 4), (4, 8), (8, 8))],
+                 4096: [dict(block_m=1, num_warps=nw) for nw in (4, 8)]}  # fmt: skip
+    silu_cfgs = [dict(block=b, num_warps=nw) for b, nw in ((512, 4), (2048, 4), (2048, 8),
+                                                          (4096, 8))]  # fmt: skip
+    for model, hidden, inter in (("qwen3-0.6b", 1024, 3072), ("llama-3.1-8b", 4096, 14336)):
+        for rows in (1, 64, 8192):
+            shape, nbytes = f"{model} {rows} x {hidden}", 4 * rows * hidden * 2 + hidden * 2
+            norm_set = lambda h=hidden, r=rows: (rnd(r, h), rnd(r, h), rnd(h))  # noqa: E731
+            _kernel_row(res, "rms_norm+residual", shape, nbytes, 0, norm_set, norm,
+                        both(lambda x, r, w: rms_norm_ref(x, w, 1e-6, r)))  # fmt: skip
+            if rows > 1 or hidden == 1024:
+                _sweep(res, "rms_norm+residual", shape, nbytes, norm_set, norm, norm_cfgs[hidden])
+            shape, nbytes = f"{model} {rows} x {inter}", 3 * rows * inter * 2
+            silu_set = lambda i=inter, r=rows: (rnd(r, 2 * i),)  # noqa: E731
+            _kernel_row(res, "silu_mul", shape, nbytes, 0, silu_set, silu_mul, both(silu_mul_ref))
+            if rows > 1:
+                _sweep(res, "silu_mul", shape, nbytes, silu_set, silu_mul, silu_cfgs)
+    cache = torch.randn(32768, 128, device=dev)
+    for tokens in (1, 64, 8192):
+
+        def rope_set(t=tokens):
+            qkv = rnd(t, 48 * 128)
+            return (torch.randint(0, 32768, (t,), device=dev), qkv[:, : 32 * 128].view(t, 32, 128),
+                    qkv[:, 32 * 128 : 40 * 128].view(t, 8, 128))  # fmt: skip
+
+        def rope_eager(pos, q, k):
+            cos, sin = cache[pos].chunk(2, dim=-1)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        _kernel_row(res, "rotary(q,k)", f"llama-3.1-8b T={tokens}",
+                    tokens * (40 * 128 * 2 * 2 + 128 * 4), 0, rope_set,
+                    lambda p, q, k: rotary_embedding(p, q, k, cache), both(rope_eager))  # fmt: skip
+    kc, vc = rnd(4096, 16, 8, 128), rnd(4096, 16, 8, 128)  # shared: each set writes new slots
+    for tokens in (64, 8192):
+
+        def kv_set(t=tokens):
+            return rnd(t, 8, 128), rnd(t, 8, 128), kc, vc, torch.randperm(65536, device=dev)[:t]
+
+        _kernel_row(res, "store_kv", f"llama-3.1-8b T={tokens}", tokens * 8 * 128 * 2 * 4, 0,
+                    kv_set, store_kv, both(layer.store_kv))  # fmt: skip
+    for batch in (1, 64):
+        _kernel_row(res, "sample_race", f"B={batch} V=151936", batch * 151936 * 4, 0,
+                    lambda b=batch: (rnd(b, 151936, dtype=torch.float32),
+                                     torch.randint(-(2**62), 2**62, (b,), device=dev)),
+                    sample_race, both(sample_race_ref))  # fmt: skip
+    shapes = {"qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
+                             ("down", 1024, 3072), ("lm_head", 151936, 1024)],
+              "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                               ("down", 4096, 14336), ("lm_head", 128256, 4096)]}  # fmt: skip
+    for model, layers in shapes.items():
+        for name, n, k in layers:
+            for m in (1, 2, 4, 8):
+                shape, nbytes = f"{model} {name} M={m} {n}x{k}", (n * k + m * (n + k)) * 2
+                gemv_set = lambda n=n, k=k, m=m: (rnd(m, k), rnd(n, k) * 0.05)  # noqa: E731
+                _kernel_row(res, "gemv", shape, nbytes, 2 * m * n * k, gemv_set, gemv,
+                            {"cublas": F.linear})  # fmt: skip
+                if m > 1:  # the CUDA-core kernel that wins at M = 1, for comparison
+                    _sweep(res, "gemv", shape, nbytes, gemv_set, gemv, [dict(method="stream")])
+
+
+def bench_kernels(args) -> dict:
+    """Each Triton kernel vs its torch version (eager, torch.compile where it applies) at real
+    shapes, bf16, timed as CUDA-graph replays; GB/s and the fraction of the measured copy rate."""
+    assert torch.cuda.is_available(), "the kernels workload needs a CUDA device"
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "ceilings": measure_ceilings("cuda"), "rows": []}
+    print(json.dumps(res["ceilings"]), flush=True)
+    _bench_attention(res)
+    _bench_small_ops(res)
+    return res
+
+
+# -- prefix caching and long-context interleaving (issue: prefix trie / chunked prefill) -------
+
+SHAPES = {  # published HF configs of the benchmark models, for dummy weights in real shapes
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=5e5, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         rms_norm_eps=1e-5, torch_dtype="bfloat16"),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=False, rope_theta=5e5, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         rms_norm_eps=1e-5, torch_dtype="bfloat16"),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+}  # fmt: skip
+
+
+def resolve_model(name: str | None) -> tuple[str, str]:
+    """(directory, load_format): a named shape becomes a config-only directory with dummy
+    weights and no tokenizer (prompts are token ids); anything else is an HF directory."""
+    if name in SHAPES:
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix=f"tinyserve-{name}-")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(SHAPES[name], f)
+        return path, "dummy"
+    from tinyserve.gguf import default_model_path
+
+    return name or default_model_path(), "auto"
+
+
+def drive(engine, arrivals: list[tuple[float, str, list[int], object]]) -> dict:
+    """Step the engine over requests arriving at given offsets (seconds); per request: arrival,
+    first-token time and every token's time (for TTFT and inter-token latency)."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    stats: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            at, rid, ids, params = pending.pop(0)
+            engine.add_request(rid, ids, params)
+            stats[rid] = {"arrival": now, "times": []}
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][0] - now))
+            continue
+        for d in engine.step():
+            t = time.perf_counter() - t0
+            stats[d.request_id]["times"] += [t] * sum(len(o.token_ids) for o in d.outputs)
+    stats["_elapsed"] = time.perf_counter() - t0
+    return stats
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
+
+
+def _free_engine(llm) -> None:
+    del llm
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_prefix(args) -> dict:
+    """Shared-prefix groups with the cache on vs off, random prompts on vs off, and a long
+    prompt arriving while streams decode (ITL p99 during its prefill, its TTFT vs alone)."""
+    import random
+
+    from tinyserve import LLM, SamplingParams
+
+    path, load_format = resolve_model(args.model)
+    g, r, sys_len, q_len, out_len = 16, 32, 2048, 256, 128
+    n_streams, long_len = 64, 32768
+    if args.small:  # the CPU sizes
+        g, r, sys_len, q_len, out_len = 4, 8, 512, 64, 32
+        n_streams, long_len = 8, 4096
+    rng = random.Random(0)
+    res = {"rows": []}
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    vocab = 49152 if args.model not in SHAPES else SHAPES[args.model]["vocab_size"]
+
+    def rand_ids(n):
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    systems = [rand_ids(sys_len) for _ in range(g)]
+    shared = [(0.0, f"g{i}r{j}", systems[i] + rand_ids(q_len), params)
+              for j in range(r) for i in range(g)]  # fmt: skip
+    unique = [(0.0, f"u{i}", rand_ids(sys_len + q_len), params) for i in range(g * r)]
+    rows = {name: {"workload": name, "requests": g * r, "prompt_len": sys_len + q_len,
+                   "output_len": out_len} for name in ("shared_prefix", "no_sharing")}  # fmt: skip
+    for on in (True, False):
+        llm = LLM(path, load_format=load_format, enable_prefix_caching=on, seed=0)
+        engine, tag = llm.engine, "on" if on else "off"
+        res["device"], res["kv_capacity_tokens"] = engine.config.device, engine.kv_capacity_tokens
+        for name, reqs in (("shared_prefix", shared), ("no_sharing", unique)):
+            row, trie = rows[name], engine.pool.trie
+            q0, h0 = (trie.num_query_tokens, trie.num_hit_tokens) if trie else (0, 0)
+            st = drive(engine, [(0.0, rid + tag, ids, p) for _, rid, ids, p in reqs])
+            elapsed = st.pop("_elapsed")
+            row[f"ttft_median_s_{tag}"] = _pct(
+                [s["times"][0] - s["arrival"] for s in st.values()], 0.5
+            )
+            row[f"tok_per_s_{tag}"] = len(reqs) * out_len / elapsed
+            if trie:
+                row["hit_rate"] = (trie.num_hit_tokens - h0) / (trie.num_query_tokens - q0)
+                bs = engine.pool.block_size
+                theory = (r - 1) * (sys_len // bs * bs) / (r * (sys_len + q_len))
+                row["hit_rate_theory"] = theory if name == "shared_prefix" else 0.0
+            engine.check_invariants()
+        _free_engine(llm)
+    for row in rows.values():
+        row["ttft_speedup"] = row["ttft_median_s_off"] / row["ttft_median_s_on"]
+        row["throughput_ratio"] = row["tok_per_s_on"] / row["tok_per_s_off"]
+        res["rows"].append(row)
+        print(row, flush=True)
+    res["rows"].append(_long_context(path, load_format, args.long_budget, n_streams, long_len,
+                                     rand_ids))  # fmt: skip
+    print(res["rows"][-1], flush=True)
+    return res
+
+
+def _long_context(path, load_format, budget, n_streams, long_len, rand_ids) -> dict:
+    """Streams decode; a long prompt arrives: ITL p99 while it is chunked vs the median before,
+    and its TTFT vs the same prompt on the idle engine."""
+    from tinyserve import LLM, SamplingParams
+
+    llm = LLM(path, load_format=load_format, max_num_batched_tokens=budget, seed=0)
+    engine = llm.engine
+    long_len = min(long_len, engine.max_model_len - 64)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    alone = drive(engine, [(0.0, "alone", rand_ids(long_len), one)])
+    ttft_alone = alone["alone"]["times"][0] - alone["alone"]["arrival"]
+    endless = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+    for i in range(n_streams):
+        engine.add_request(f"s{i}", rand_ids(64), endless)
+    for _ in range(10):  # admission and warm-up
+        engine.step()
+    before, during, t_long, ttft, last = [], [], None, None, time.perf_counter()
+    while ttft is None:
+        if t_long is None and len(before) >= 30:
+            engine.add_request("long", rand_ids(long_len), one)  # fresh ids: no prefix hit
+            t_long = time.perf_counter()
+        deltas = engine.step()
+        now = time.perf_counter()
+        (during if t_long is not None else before).append(now - last)
+        last = now
+        if any(d.request_id == "long" for d in deltas):
+            ttft = now - t_long
+    for i in range(n_streams):
+        engine.abort(f"s{i}")
+    engine.step()
+    engine.check_invariants()
+    _free_engine(llm)
+    row = {"workload": "long_context", "streams": n_streams, "long_prompt": long_len,
+           "budget": budget, "itl_median_ms_without": 1e3 * _pct(before, 0.5),
+           "itl_p99_ms_during": 1e3 * _pct(during, 0.99), "ttft_long_s": ttft,
+           "ttft_long_alone_s": ttft_alone}  # fmt: skip
+    row["itl_p99_ratio"] = row["itl_p99_ms_during"] / row["itl_median_ms_without"]
+    row["ttft_ratio"] = ttft / ttft_alone
+    return row
+
+
+# -- end-to-end GPU workloads (latency, throughput) next to transformers and the ceilings ----
+
+
+def _hf_model(path: str, dtype: torch.dtype):
+    """transformers on the same shape (random init is as fast as any weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    ids = torch.randint(100, 1000, (batch, prompt_len), device="cuda")
+    kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
+              pad_token_id=0)  # fmt: skip
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def _run_offline(llm, prompts, out_lens) -> tuple[float, int]:
+    from tinyserve import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(out_lens)
+    return dt, sum(out_lens)
+
+
+def bench_e2e(args) -> dict:
+    """latency: batch 1, 32 in / 256 out. throughput: nano-vllm (256 seqs, in/out U[100,1024]),
+    decode-heavy (128 x 32/2048), prefill-heavy (32 x 4096/32). hf64: batch 64, 512/256, next
+    to transformers. Weight bytes over step time give the fraction of the copy ceiling."""
+    import random
+
+    from tinyserve import LLM
+
+    path, load_format = resolve_model(args.model)
+    res = {"device": torch.cuda.get_device_name(), "model": args.model,
+           "ceilings": measure_ceilings("cuda"), "rows": []}  # fmt: skip
+    print(json.dumps(res["ceilings"]), flush=True)
+    llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=256,
+              enforce_eager=args.enforce_eager)  # fmt: skip
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+
+    def ids(n):
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    def row(name, prompts, out_lens, **extra):
+        dt, n_out = _run_offline(llm, prompts, out_lens)
+        r = {"workload": name, "seqs": len(prompts), "out_tok_per_s": n_out / dt,
+             "total_tok_per_s": (n_out + sum(map(len, prompts))) / dt, **extra}  # fmt: skip
+        res["rows"].append(r)
+        print(r, flush=True)
+        return r
+
+    for name in args.workloads:
+        if name == "latency":
+            r = row("latency", [ids(32)], [256])
+            step_s = 1 / r["out_tok_per_s"]
+            r["weight_GBps"] = weight_bytes / step_s / 1e9
+            r["frac_of_copy_ceiling"] = r["weight_GBps"] / res["ceilings"]["copy_GBps"]
+        elif name == "nano-vllm":
+            lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
+            row("nano-vllm", [ids(i) for i, _ in lens], [o for _, o in lens])
+        elif name == "decode-heavy":
+            row("decode-heavy", [ids(32) for _ in range(128)], [2048] * 128)
+        elif name == "prefill-heavy":
+            row("prefill-heavy", [ids(4096) for _ in range(32)], [32] * 32)
+        elif name == "hf64":
+            row("batch64", [ids(512) for _ in range(64)], [256] * 64)
+    if args.compare_hf:
+        del llm
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf = _hf_model(path, torch.bfloat16)
+        for r in res["rows"]:
+            if r["workload"] == "latency":
+                r["transformers_tok_per_s"] = _hf_tok_per_s(hf, 1, 32, 256)
+            elif r["workload"] == "batch64":
+                r["transformers_tok_per_s"] = _hf_tok_per_s(hf, 64, 512, 256)
+            else:
+                continue
+            r["ratio_vs_transformers"] = r["out_tok_per_s"] / r["transformers_tok_per_s"]
+            print(r, flush=True)
+    return res
+
+
+# -- serve: an online client against a running `tinyserve run` (vLLM's metric definitions) -------
+# TTFT: request sent -> first chunk with text. ITL: gaps between successive text chunks, pooled
+# over requests. TPOT per request: (E2E latency - TTFT) / (output tokens - 1). Throughputs over
+# the run's wall time. /health is probed from a separate process the whole time (loop latency).
+
+
+def bench_serve(args) -> dict:
+    import asyncio
+
+    return {"server": args.url, "rows": asyncio.run(_serve_sweep(args))}
+
+
+async def _serve_sweep(args) -> list[dict]:
+    import random
+
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(args.url, headers=headers, timeout=timeout,
+                                     connector=conn) as session:  # fmt: skip
+        async with session.get("/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        lo, hi = 1 - args.range_ratio, 1 + args.range_ratio
+        await _serve_one(session, model, list(range(1000, 1016)), 4)  # warm-up
+        rows = []
+        for rate in args.request_rate:
+            for conc in args.concurrency:
+                # new random prompts per run, so no run hits the previous one's prefix cache
+                rng = random.Random(len(rows))
+                reqs = [([rng.randrange(1000, 30000) for _ in range(max(1, round(args.input_len
+                         * rng.uniform(lo, hi))))], max(1, round(args.output_len
+                         * rng.uniform(lo, hi)))) for _ in range(args.num_prompts)]  # fmt: skip
+                rows.append(await _serve_run(session, model, reqs, rate, conc, args))
+                print(json.dumps(rows[-1]))
+        return rows
+
+
+async def _serve_one(session, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    chunk_times, num_out = [], 0
+    async with session.post("/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"ok": False}
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                num_out = event["usage"]["completion_tokens"]
+            if event["choices"] and event["choices"][0]["text"]:
+                chunk_times.append(time.perf_counter())
+    end = time.perf_counter()
+    if not chunk_times:
+        return {"ok": False}
+    ttft = chunk_times[0] - t0
+    return {"ok": True, "ttft": ttft, "e2el": end - t0, "num_out": num_out,
+            "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
+            "tpot": (end - t0 - ttft) / (num_out - 1) if num_out > 1 else None}  # fmt: skip
+
+
+async def _serve_run(session, model: str, reqs, rate: float, conc: int, args) -> dict:
+    import asyncio
+    import multiprocessing
+    import random
+
+    ctx = multiprocessing.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=_probe_health, args=(args.url, args.health_hz, stop, out))
+    probe.start()
+    sem = asyncio.Semaphore(conc)
+    rng = random.Random(1)
+
+    async def limited(prompt, max_tokens):
+        async with sem:
+            return await _serve_one(session, model, prompt, max_tokens)
+
+    t0 = time.perf_counter()
+    tasks = []
+    for prompt, max_tokens in reqs:  # Poisson arrivals at `rate` req/s (inf: all at once)
+        tasks.append(asyncio.ensure_future(limited(prompt, max_tokens)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    stop.set()
+    health = await asyncio.get_running_loop().run_in_executor(None, out.get)
+    probe.join()
+    done = [r for r in results if r["ok"]]
+    ms = 1e3
+    num_out = sum(r["num_out"] for r in done)
+    num_in = sum(len(p) for (p, _), r in zip(reqs, results) if r["ok"])
+    itl = [x for r in done for x in r["itl"]]
+    tpot = [r["tpot"] for r in done if r["tpot"] is not None]
+    return {
+        "rate": rate, "concurrency": conc, "num_prompts": len(reqs), "completed": len(done),
+        "duration_s": duration, "req_per_s": len(done) / duration,
+        "out_tok_per_s": num_out / duration, "total_tok_per_s": (num_in + num_out) / duration,
+        "ttft_median_ms": _pct([r["ttft"] for r in done], 0.5) * ms,
+        "ttft_p99_ms": _pct([r["ttft"] for r in done], 0.99) * ms,
+        "tpot_median_ms": _pct(tpot, 0.5) * ms, "tpot_p99_ms": _pct(tpot, 0.99) * ms,
+        "itl_median_ms": _pct(itl, 0.5) * ms, "itl_p99_ms": _pct(itl, 0.99) * ms,
+        "e2el_median_ms": _pct([r["e2el"] for r in done], 0.5) * ms,
+        "health_n": len(health), "health_p50_ms": _pct(health, 0.5) * ms,
+        "health_p99_ms": _pct(health, 0.99) * ms, "health_max_ms": max(health, default=0) * ms,
+    }  # fmt: skip
+
+
+def _probe_health(url: str, hz: float, stop, out) -> None:
+    """GET /health at `hz` on one keep-alive connection until `stop`; put the latencies (s)."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
+    lat = []
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        lat.append(time.perf_counter() - t0)
+        time.sleep(max(0.0, 1 / hz - (time.perf_counter() - t0)))
+    out.put(lat)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("workload", choices=["cpu"])
+    p.add_argument("workload", choices=["cpu", "kernels", "prefix", "e2e", "serve"])
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["latency", "hf64", "nano-vllm", "decode-heavy", "prefill-heavy"],
+        help="e2e: which rows",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs")
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--compare-hf", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default="bench-results")
+    p.add_argument("--small", action="store_true", help="prefix: the CPU sizes")
+    p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
+                   "of the long-context run")  # fmt: skip
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
+    p.add_argument("--api-key", default=None, help="serve: bearer key, if the server has one")
+    p.add_argument("--num-prompts", type=int, default=128, help="serve: requests per run")
+    p.add_argument("--input-len", type=int, default=128, help="serve: prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="serve: generated tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="serve: lengths uniform in "
+                   "len * [1 - r, 1 + r] (0: fixed)")  # fmt: skip
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="serve: Poisson arrival rates (req/s; inf: all at once)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64],
+                   help="serve: max in-flight requests to sweep")  # fmt: skip
+    p.add_argument("--health-hz", type=float, default=20, help="serve: /health probe rate")
     args = p.parse_args()
+    run = {"cpu": bench_cpu, "kernels": bench_kernels, "prefix": bench_prefix, "e2e": bench_e2e,
+           "serve": bench_serve}  # fmt: skip
+    run = run[args.workload]
+    result = run(args)
     res = {"workload": args.workload, "commit": git_commit(), "machine": platform.processor()
            or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), **bench_cpu(args)}  # fmt: skip
-    print(json.dumps(res["ceilings"]))
+           "date": time.strftime("%Y-%m-%d"), **result}  # fmt: skip
+    print(json.dumps(res.get("ceilings", {})))
     for row in res["rows"]:
         print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()))  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.workload}-{res['commit']}.json")
+    tag = f"{args.workload}-{args.model}" if args.model in SHAPES else args.workload
+    path = os.path.join(args.out, f"{tag}-{res['commit']}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", path)

@@ -206,6 +206,7 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None  # None = "cuda" if available else "cpu"
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs (debugging, and the graphs-off test)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

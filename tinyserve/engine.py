@@ -8,6 +8,7 @@ drains in phase 1, so scheduler state is touched by one thread only.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import deque
@@ -62,7 +63,9 @@ class LLMEngine:
             config.model = default_model_path()
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        # A checkpoint without tokenizer.json (dummy benchmark shapes) takes and gives token ids.
+        has_tokenizer = os.path.exists(os.path.join(config.model, "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer else None
         device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, device)
         self.runner = ModelRunner(self.model_config, config, self.dtype)
@@ -109,6 +112,8 @@ class LLMEngine:
         `mm_spans` are (start, end, content hash) of media placeholder ranges in the prompt.
         """
         params = params or SamplingParams()
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
         if isinstance(prompt, str):
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -144,6 +149,8 @@ class LLMEngine:
                 IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
                 )
+                if self.tokenizer
+                else None
             )
         self._new.append(req)
 
@@ -192,18 +199,18 @@ class LLMEngine:
         token = out.token_id
         seq.token_ids.append(token)
         detok = req.detoks[seq.index]
-        text = detok.add([token])
+        text = detok.add([token]) if detok else ""
         reason, stop_reason = None, None
         if token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif not p.ignore_eos and token in self.model_config.eos_token_ids:
             reason = "stop"
-        elif detok.stopped:
+        elif detok and detok.stopped:
             reason, stop_reason = "stop", detok.stop_reason
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            if not detok.stopped:
+            if detok and not detok.stopped:
                 text += detok.flush()
             self.scheduler.finish(seq, reason)
             seq.stop_reason = stop_reason

@@ -62,7 +62,9 @@ class PrefixTrie:
             node = child
         return path
 
-    def insert(self, parent: Node | None, token_ids: list[int], extra: tuple, block_id: int) -> Node:
+    def insert(
+        self, parent: Node | None, token_ids: list[int], extra: tuple, block_id: int
+    ) -> Node:
         """Add a committed block under `parent` (None = root). If an equal block is cached
         already (another sequence computed the same prefix), return that node instead: the
         caller's block stays private and is freed normally."""
@@ -90,11 +92,7 @@ class PrefixTrie:
 
     def evict(self) -> int:
         """Drop the least recently used unreferenced leaf; return its block id."""
-        for block_id, node in self.evictable.items():
-            if not node.children:
-                break
-        else:
-            raise AssertionError("no evictable leaf although evictable blocks exist")
+        block_id, node = next((b, n) for b, n in self.evictable.items() if not n.children)
         del self.evictable[block_id]
         del self.nodes[block_id]
         siblings = node.parent.children[hash_key(node.token_ids, node.extra)]

@@ -37,13 +37,25 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
         mc = model_config
-        # (2, layers, blocks, block_size, kv_heads, head_dim): one allocation, per-layer views
+        # (2, layers, blocks + 1, block_size, kv_heads, head_dim): one allocation, per-layer
+        # views. The extra last block is scratch for CUDA-graph padding rows; the pool never
+        # hands it out.
         self.kv_cache = torch.zeros(
-            2, len(self.attn_layers), self.num_kv_blocks, self.block_size,
+            2, len(self.attn_layers), self.num_kv_blocks + 1, self.block_size,
             mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=self.device,
         )  # fmt: skip
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        limit = min(config.max_model_len or 1 << 30, mc.max_position_embeddings)
+        self.max_blocks_per_seq = -(-limit // self.block_size)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from tinyserve.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self.model, config.max_num_seqs, self.max_blocks_per_seq, self.num_kv_blocks,
+                self.block_size,
+            )  # fmt: skip
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -114,6 +126,14 @@ class ModelRunner:
             max_context_len=max(ctx_lens),
             is_decode_only=all(n == 1 for n in q_lens),
         )
+        if self._metadata.is_decode_only and dev.type == "cuda":
+            from tinyserve.graphs import decode_num_splits
+
+            mc = self.model_config
+            self._metadata.num_splits = decode_num_splits(
+                len(q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
+                self.max_blocks_per_seq * self.block_size, dev,
+            )  # fmt: skip
         return t(input_ids, torch.long), t(positions, torch.long), logits_idx
 
     @torch.inference_mode()
@@ -123,13 +143,18 @@ class ModelRunner:
         `rows` holds the sampling state of those rows, in batch order.
         """
         input_ids, positions, logits_idx = self._prepare(batch)
-        with forward_context(self._metadata):
-            hidden = self.model(input_ids, positions)
-        if not logits_idx:
-            return []  # only non-final prefill chunks: no logits, nothing sampled
+        md = self._metadata
+        if md.is_decode_only and self.graphs is not None and self.graphs.can_run(len(rows)):
+            logits = self.graphs.run(input_ids, positions, md.slot_mapping, md.context_lens,
+                                     md.block_tables)  # fmt: skip
+        else:
+            with forward_context(md):
+                hidden = self.model(input_ids, positions)
+            if not logits_idx:
+                return []  # only non-final prefill chunks: no logits, nothing sampled
+            idx = torch.tensor(logits_idx, device=self.device)
+            logits = self.model.compute_logits(hidden[idx])  # (N, V) float32
         assert len(rows) == len(logits_idx)
-        idx = torch.tensor(logits_idx, device=self.device)
-        logits = self.model.compute_logits(hidden[idx])  # (N, V) float32
         self._mask_stop_tokens(logits, rows)
         result = sample(logits, SamplingTensors.build(rows, logits.shape[-1], self.device))
         # NOTE: the one host sync of a step.

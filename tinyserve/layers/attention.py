@@ -28,6 +28,9 @@ class AttentionMetadata:
     context_lens_cpu: list[int]
     max_context_len: int
     is_decode_only: bool  # every sequence has exactly one query token
+    # Decode split-K count, fixed per padded batch size so that eager and CUDA-graph steps sum
+    # in the same order (bit-identical outputs); None lets the kernel choose.
+    num_splits: int | None = None
 
 
 _metadata: AttentionMetadata | None = None
@@ -151,7 +154,25 @@ class Attention(nn.Module):
             return causal_attention(q, k, v, self.scale)
         md = _metadata
         assert md is not None, "KV cache assigned but no forward_context set"
+        if q.is_cuda:
+            return self._forward_triton(q, k, v, md)
         store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         if md.is_decode_only:
             return decode_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
         return prefill_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
+
+    def _forward_triton(self, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+        from tinyserve.kernels.decode_attention import decode_attention
+        from tinyserve.kernels.prefill_attention import prefill_attention
+        from tinyserve.kernels.store_kv import store_kv as store_kv_triton
+
+        store_kv_triton(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.is_decode_only:
+            return decode_attention(
+                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
+                max_context_len=md.max_context_len or None, num_splits=md.num_splits,
+            )  # fmt: skip
+        return prefill_attention(
+            q, self.k_cache, self.v_cache, md.block_tables, md.cu_seqlens_q, md.context_lens,
+            max(md.query_lens_cpu), self.scale,
+        )  # fmt: skip

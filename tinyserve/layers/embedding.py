@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.kernels.gemv import gemv, gemv_beats_cublas
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -22,4 +24,6 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Matmul in the model dtype, then float32 for sampling (as HF's logits.float()).
+        if hidden.is_cuda and gemv_beats_cublas(hidden.shape[0], self.weight.shape[0]):
+            return gemv(hidden, self.weight).float()
         return F.linear(hidden, self.weight).float()  # (N, V)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.kernels.gemv import gemv, gemv_beats_cublas
+
 
 class ShapeMismatch(ValueError):
     """A checkpoint tensor does not fit its destination; the loader adds the tensor name."""
@@ -52,6 +54,8 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.bias is None and gemv_beats_cublas(x.shape[0], self.weight.shape[0]):
+            return gemv(x, self.weight)  # batch-1 decode streams weights faster than cuBLAS
         return F.linear(x, self.weight, self.bias)
 
 

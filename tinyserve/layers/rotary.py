@@ -121,3 +121,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) -> cos, sin (T, D/2) float32."""
         return self.cos_sin_cache[positions].chunk(2, dim=-1)
+
+    def bind(self, positions: torch.Tensor):
+        """A function rotating (q, k) at `positions`, shared by all layers of one forward:
+        the fused Triton kernel (in place) on the GPU, the torch reference elsewhere."""
+        if positions.is_cuda:
+            from tinyserve.kernels.rotary import rotary_embedding
+
+            return lambda q, k: rotary_embedding(positions, q, k, self.cos_sin_cache)
+        cos, sin = self(positions)
+        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))

@@ -17,7 +17,7 @@ from tinyserve.layers.attention import Attention
 from tinyserve.layers.embedding import LMHead, VocabEmbedding
 from tinyserve.layers.linear import Linear, MergedLinear, QKVLinear
 from tinyserve.layers.norm import RMSNorm
-from tinyserve.layers.rotary import RotaryEmbedding, apply_rotary
+from tinyserve.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotate) -> torch.Tensor:
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, Hq, D)
@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate(q, k)
         out = self.attn(q, k, v)  # (T, Hq, D)
         return self.o_proj(out.flatten(1))
 
@@ -76,8 +76,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotate,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of each block is deferred into the next norm (fused add + norm);
         # same arithmetic as HF's `hidden = residual + hidden; norm(hidden)`.
@@ -85,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rotate)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -108,10 +107,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, H)
-        cos, sin = self.rotary_emb(positions)  # (T, D/2) each
+        rotate = self.rotary_emb.bind(positions)  # (q, k) -> rotated (q, k)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rotate)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,238 @@
+"""Paged decode attention: one query token per sequence over its paged KV cache (GQA, split-K).
+
+`decode_attention(q (B, Hq, D), k_cache, v_cache (num_blocks, block_size, Hkv, D), block_tables
+(B, max_blocks) int32, context_lens (B,) int32, scale) -> (B, Hq, D)`. Program (b, kv head,
+split) reads its slice of the context once for all Hq/Hkv query heads; with several splits a
+second pass merges them by log-sum-exp. Splits are cut per sequence in the kernel, so the grid
+depends on shapes and the split count only (CUDA-graph safe). H100, bf16, batch 64 x 4k tokens:
+361 us, 2.98 TB/s, the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check, dot_precision, is_interpreter, next_pow2, num_sms
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    scale_log2e,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + b)
+    # Each split gets whole tiles, so only a split's last tile is partial.
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+
+    g = tl.arange(0, BLOCK_G)  # query heads of this kv head, padded to a dot-friendly size
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of log2 scores
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        if BLOCK_SIZE >= BLOCK_N:  # tiles are aligned, so the whole tile sits in one KV block
+            block_ids = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+        else:
+            block_ids = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            block_ids = block_ids[:, None]
+        offs = (n % BLOCK_SIZE)[:, None]
+        # Masked rows are never read: padding slots may hold never-written memory (NaN).
+        k = tl.load(
+            k_base + block_ids * stride_kb + offs * stride_ks + d[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )  # (BLOCK_N, D)
+        v = tl.load(
+            v_base + block_ids * stride_vb + offs * stride_vs + d[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_G, BLOCK_N)
+        qk = tl.where(n_mask[None, :], qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a valid column
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v_ptr.dtype.element_ty)  # P @ V in the cache dtype, fp32 accumulate
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (padding rows) gives zeros, not NaN
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # part (B, Hq, NUM_SPLITS, D) and lse (B, Hq, NUM_SPLITS), float32, contiguous.
+        row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
+                 mask=g_mask[:, None])  # fmt: skip
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # empty split: -inf
+        tl.store(lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    s_mask = s < NUM_SPLITS
+    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + s
+    lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # softmax weight of each split
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device) -> int:
+    """The smallest power-of-two split count whose programs fill the last wave of ~2 resident
+    programs per SM to >= 90% (H100: batch 64 x 8 kv heads -> 1, batch 1 -> 32), keeping at
+    least 128 tokens per split; the best-filled count when none reaches 90%."""
+    slots = 2 * num_sms(device)
+    best, best_fill = 1, 0.0
+    splits = 1
+    while splits <= 64 and (splits == 1 or max_context_len // splits >= 128):
+        programs = batch * num_kv_heads * splits
+        fill = programs / (triton.cdiv(programs, slots) * slots)
+        if fill >= 0.9:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+        splits *= 2
+    return best
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """q (B, Hq, D) -> out (B, Hq, D) in q's dtype (fp32 / bf16 / fp16; head_dim and block_size
+    powers of two). `max_context_len` (host int, optional) only picks the split count, never the
+    result; without it the block-table width stands in (use that under a CUDA graph)."""
+    check(q.dim() == 3 and k_cache.dim() == 4, "q must be (B, Hq, D), caches (N, bs, Hkv, D)")
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    check(v_cache.shape == k_cache.shape, "k_cache and v_cache shapes differ")
+    check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
+    check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and caches dtypes differ")
+    check(cache_dim == head_dim, "head_dim of q and cache differ")
+    check(head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of 2 <= 256")
+    check(num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv")
+    check(block_size & (block_size - 1) == 0, "block_size must be a power of two")
+    check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+          "q and caches need a contiguous last dim")  # fmt: skip
+    check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables int32 2-D")
+    check(block_tables.shape[0] == batch and block_tables.stride(1) == 1, "block_tables (B, n)")
+    check(context_lens.dtype == torch.int32 and context_lens.shape == (batch,),
+          "context_lens must be (B,) int32")  # fmt: skip
+    check(context_lens.is_contiguous(), "context_lens must be contiguous")
+    check(len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) == 1,
+          "all inputs must be on one device")  # fmt: skip
+    if out is None:
+        out = torch.empty_like(q)
+    check(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    interp = is_interpreter()
+    max_len = max_context_len or block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_len, q.device)
+    block_n = block_n or (16 if interp else 64)
+    if num_splits > 1:
+        part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device,
+                           dtype=torch.float32)  # fmt: skip
+        lse = torch.empty(batch, num_heads, num_splits, device=q.device, dtype=torch.float32)
+    else:
+        part = lse = out  # unused by the kernel
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(q.dtype), UPCAST=interp,
+        num_warps=num_warps or 4,
+        num_stages=num_stages or (2 if q.dtype == torch.float32 else 3),  # fp32 tiles: 2x smem
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            part, lse, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4 if head_dim >= 128 else 2,
+        )  # fmt: skip
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Float32 oracle, one sequence at a time (syncs on context_lens; tests only)."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[b, : -(-n // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].float()  # (n, Hkv, D)
+        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        qb = q[b].float().view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # (Hkv, G, D)
+        probs = (torch.einsum("hgd,nhd->hgn", qb, k) * scale).softmax(-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(num_heads, head_dim)
+    return out

@@ -1,0 +1,107 @@
+"""RMSNorm with optional fused residual add, numerically as layers/norm.py (HF's cast order).
+
+`rms_norm(x, weight, eps)` -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) with the norm in
+float32; `rms_norm(x, weight, eps, residual)` -> (norm(s), s) with s = x + residual rounded to
+x's dtype first (HF adds in the model dtype). x is (M, N) or (T, H, N) (Qwen3 q/k norm per head,
+strided views welcome); outputs may alias the inputs (each row is read before it is written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, num_rows, num_heads, N, eps,
+    stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = (rows // num_heads)[:, None]  # row -> (token, head) of a (T, H, N) view
+    h = (rows % num_heads)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows[:, None] < num_rows) & (cols < N)
+    x = tl.load(x_ptr + t * stride_x0 + h * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + t * stride_r0 + h * stride_r1 + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # HF: add in dtype
+        tl.store(rout_ptr + t * stride_ro0 + h * stride_ro1 + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)[:, None]
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty)  # HF rounds before the weight multiplies
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + t * stride_o0 + h * stride_o1 + cols, y.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    return x.unsqueeze(1) if x.dim() == 2 else x
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x (M, N) or (T, H, N) -> normed (same shape, dtype promote(weight, x)); with `residual`
+    also returns x + residual (in x's dtype). Pass residual_out=residual to update it in place.
+    `block_m` rows share a program (short rows), spread over `num_warps`."""
+    check(x.dim() in (2, 3), "x must be (M, N) or (T, H, N)")
+    n = x.shape[-1]
+    check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
+    check(weight.shape == (n,) and weight.is_contiguous(), "weight must be (N,) contiguous")
+    check(x.stride(-1) == 1, "x needs a contiguous last dim")
+    check(n <= 32768, "rows longer than 32768 are not supported")
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    check(out.shape == x.shape and out.dtype == out_dtype and out.stride(-1) == 1, "bad out")
+    tensors = [x, weight, out]
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype, "residual != x shape/dtype")
+        if residual_out is None:
+            residual_out = torch.empty_like(x)
+        check(residual_out.shape == x.shape and residual_out.dtype == x.dtype, "bad residual_out")
+        check(residual.stride(-1) == 1 and residual_out.stride(-1) == 1, "residual last dim")
+        tensors += [residual, residual_out]
+    check(len({t.device for t in tensors}) == 1, "all inputs must be on one device")
+    x3, o3 = _as_3d(x), _as_3d(out)
+    r3 = _as_3d(residual) if residual is not None else x3
+    ro3 = _as_3d(residual_out) if residual_out is not None else o3
+    num_rows = x3.shape[0] * x3.shape[1]
+    block_n = next_pow2(n)
+    block_m = block_m or 1  # several rows a program measured no faster on H100, even at N=1024
+    if num_rows:
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+            x3, r3, weight, o3, ro3, num_rows, x3.shape[1], n, eps,
+            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+            o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
+            HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps or max(1, min(16, block_m * block_n // 256)),
+        )  # fmt: skip
+    if residual is None:
+        return out
+    return out, residual_out
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """layers/norm.py's RMSNorm.forward, verbatim in math."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, x)

@@ -1,0 +1,399 @@
+"""Each Triton kernel against its pure-torch reference on random inputs, output poisoned first.
+
+On CPU the kernels run under TRITON_INTERPRET=1 at small shapes (bf16 casts there truncate and
+bf16 dots are upcast, so bf16 tolerances allow an ulp); with CUDA the same tests run on the GPU,
+and the `gpu`-marked ones add real model shapes (`make test-gpu`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # before the kernels import triton.jit
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tinyserve.kernels._common import is_interpreter  # noqa: E402
+from tinyserve.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from tinyserve.kernels.gemv import gemv, gemv_ref  # noqa: E402
+from tinyserve.kernels.prefill_attention import (  # noqa: E402
+    prefill_attention,
+    prefill_attention_ref,
+)
+from tinyserve.kernels.rms_norm import rms_norm, rms_norm_ref  # noqa: E402
+from tinyserve.kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
+from tinyserve.kernels.sampling import counter_uniform, sample_race, sample_race_ref  # noqa: E402
+from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
+from tinyserve.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+
+INTERP = is_interpreter()
+DEVICE = "cpu" if INTERP else "cuda"
+pytestmark = pytest.mark.skipif(not (INTERP or HAS_CUDA), reason="needs CUDA or the interpreter")
+gpu = pytest.mark.skipif(not HAS_CUDA or INTERP, reason="needs CUDA (interpreter off)")
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+DTYPES = [F32, BF16, F16]
+# Relative L2 error bounds for whole-op outputs, and (rtol, atol) for elementwise ops.
+REL = {F32: 1e-5, BF16: 1.6e-2, F16: 2e-3}
+ELEM = {F32: (1e-5, 1e-5), BF16: (1.6e-2, 1e-2), F16: (2e-3, 1e-3)}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def randn(*shape, dtype=F32, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+def assert_rel(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < REL[dtype], f"relative error {err:.2e} >= {REL[dtype]:.0e}"
+
+
+def assert_elem(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
+    rtol, atol = ELEM[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+def paged_cache(batch, context_lens, num_kv_heads, head_dim, block_size, dtype):
+    """Random caches with blocks scattered in a shuffled pool; block 0 (the table padding), the
+    unused blocks and the slots past each context hold NaN, so any invalid read shows."""
+    per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    valid = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
+    ids = torch.randperm(num_blocks - 1, device=DEVICE).int() + 1
+    table = torch.zeros(batch, max(per_seq), dtype=torch.int32, device=DEVICE)
+    start = 0
+    for b, (n, nb) in enumerate(zip(context_lens, per_seq, strict=True)):
+        blocks = ids[start : start + nb]
+        start += nb
+        table[b, :nb] = blocks
+        valid[blocks] = True
+        valid[blocks[-1], n - (nb - 1) * block_size :] = False  # the tail of the last block
+    k_cache[~valid] = float("nan")
+    v_cache[~valid] = float("nan")
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, table, lens
+
+
+# --------------------------------------------------------------------------- attention
+
+# (Hq, Hkv, head_dim, block_size, num_splits): GQA 1/4/8, head dims 64/128, blocks 1/16/32.
+DECODE_CASES = [(4, 4, 64, 16, 1), (8, 2, 128, 1, 3), (8, 1, 64, 32, 2), (16, 2, 64, 16, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_attention(dtype, case):
+    num_heads, num_kv_heads, head_dim, block_size, num_splits = case
+    lens = [1, 37, 19]  # odd lengths; a split can be empty for the short one
+    k_cache, v_cache, table, context_lens = paged_cache(
+        3, lens, num_kv_heads, head_dim, block_size, dtype
+    )
+    q = randn(3, num_heads, head_dim, dtype=dtype)
+    out = poisoned(q)
+    decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, out, num_splits=num_splits)
+    assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.125), dtype)
+
+
+# (Hq, Hkv, head_dim, block_size): decode rows, a prefill with a cached prefix, a fresh prompt.
+PREFILL_CASES = [(4, 4, 64, 16), (8, 2, 128, 1), (8, 1, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_attention_mixed_batch(dtype, case):
+    num_heads, num_kv_heads, head_dim, block_size = case
+    query_lens, lens = [1, 21, 5, 1], [9, 33, 5, 1]  # decode, extend, prompt, first token
+    k_cache, v_cache, table, context_lens = paged_cache(
+        4, lens, num_kv_heads, head_dim, block_size, dtype
+    )
+    cu = torch.tensor([0, 1, 22, 27, 28], dtype=torch.int32, device=DEVICE)
+    q = randn(28, num_heads, head_dim, dtype=dtype)
+    out = poisoned(q)
+    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, max(query_lens), 0.1, out)
+    ref = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.1)
+    assert_rel(out, ref, dtype)
+
+
+def test_attention_match_layer_references():
+    """The kernels' oracles and the layers' torch path agree (same head mapping, same mask)."""
+    from tinyserve.layers.attention import AttentionMetadata
+    from tinyserve.layers.attention import decode_attention_ref as layer_decode
+    from tinyserve.layers.attention import prefill_attention_ref as layer_prefill
+
+    lens, query_lens = [7, 30], [1, 12]
+    k_cache, v_cache, table, context_lens = paged_cache(2, lens, 2, 64, 16, F32)
+    k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(13, dtype=torch.int64, device=DEVICE),
+        block_tables=table,
+        cu_seqlens_q=torch.tensor([0, 1, 13], dtype=torch.int32, device=DEVICE),
+        context_lens=context_lens,
+        query_lens_cpu=query_lens,
+        context_lens_cpu=lens,
+        max_context_len=max(lens),
+        is_decode_only=False,
+    )
+    q = randn(13, 8, 64)
+    out = prefill_attention(q, k_cache, v_cache, table, md.cu_seqlens_q, context_lens, 12, 0.1)
+    assert_rel(out, layer_prefill(q, k_cache, v_cache, md, 0.1), F32)
+    qd = randn(2, 8, 64)
+    out = decode_attention(qd, k_cache, v_cache, table, context_lens, 0.1)
+    assert_rel(out, layer_decode(qd, k_cache, v_cache, md, 0.1), F32)
+
+
+# --------------------------------------------------------------------------- small ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_strided_views_and_padding_slots(dtype):
+    num_kv_heads, head_dim, block_size = 2, 64, 16
+    qkv = randn(6, (4 + 2 * num_kv_heads) * head_dim, dtype=dtype)  # packed, as after QKVLinear
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(6, num_kv_heads, head_dim)
+    v = qkv[:, 6 * head_dim :].view(6, num_kv_heads, head_dim)
+    k_cache = randn(5, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(5, block_size, num_kv_heads, head_dim, dtype=dtype)
+    slots = torch.tensor([3, -1, 17, 79, 0, 40], device=DEVICE)  # -1: a padded token
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    x, weight = randn(7, 300, dtype=dtype, scale=3.0), randn(300, dtype=dtype)
+    residual = randn(7, 300, dtype=dtype) if with_residual else None
+    out = poisoned(x)
+    res = rms_norm(x, weight, 1e-6, residual, out=out)
+    ref = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        assert_elem(res[1], ref[1], dtype)
+        if not INTERP or dtype != BF16:  # the interpreter truncates bf16 casts
+            assert torch.equal(res[1], ref[1])  # the residual stream is bit exact
+        res, ref = res[0], ref[0]
+    assert res is out
+    assert_elem(out, ref, dtype)
+
+
+def test_rms_norm_per_head_strided_in_place():
+    """Qwen3 q-norm: (T, H, D) view of a packed qkv; residual updated in place."""
+    qkv = randn(5, 6 * 64, dtype=BF16)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)
+    weight = randn(64, dtype=BF16)
+    assert_elem(rms_norm(q, weight, 1e-6), rms_norm_ref(q, weight, 1e-6), BF16)
+    x, residual = randn(3, 128, dtype=BF16), randn(3, 128, dtype=BF16)
+    ones = torch.ones(128, dtype=BF16, device=DEVICE)
+    expected = rms_norm_ref(x, ones, 1e-5, residual)
+    out, res = rms_norm(x, ones, 1e-5, residual, out=x, residual_out=residual)
+    assert out is x and res is residual
+    assert_elem(x, expected[0], BF16)
+    assert_elem(residual, expected[1], BF16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_rms_norm_rows_per_program(rows):
+    x, r, w = randn(13, 64, dtype=BF16), randn(13, 64, dtype=BF16), randn(64, dtype=BF16)
+    out, res = rms_norm(x, w, 1e-6, r, block_m=rows, num_warps=2)
+    ref, ref_res = rms_norm_ref(x, w, 1e-6, r)
+    assert_elem(out, ref, BF16)
+    assert_elem(res, ref_res, BF16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inplace", [True, False])
+def test_rotary(dtype, inplace):
+    qkv = randn(9, (8 + 2 * 2) * 64, dtype=dtype)
+    q = qkv[:, : 8 * 64].view(9, 8, 64)
+    k = qkv[:, 8 * 64 : 10 * 64].view(9, 2, 64)
+    angles = torch.arange(40, device=DEVICE)[:, None] * torch.rand(32, device=DEVICE)
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (P, D) float32
+    positions = torch.randint(0, 40, (9,), device=DEVICE)
+    q_ref, k_ref = rotary_embedding_ref(positions, q, k, cache)
+    q_before = q.clone()
+    v_before = qkv[:, 10 * 64 :].clone()
+    q_out, k_out = rotary_embedding(positions, q, k, cache, inplace=inplace)
+    assert (q_out is q) == inplace and (k_out is k) == inplace
+    assert_elem(q_out, q_ref, dtype)
+    assert_elem(k_out, k_ref, dtype)
+    assert torch.equal(qkv[:, 10 * 64 :], v_before)  # v untouched
+    q_only, none = rotary_embedding(positions, q_before, None, cache)  # no k
+    assert none is None
+    assert_elem(q_only, q_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    x = randn(5, 2 * 1100, dtype=dtype, scale=3.0)  # I = 1100: two column blocks, one partial
+    out = poisoned(x[:, :1100].contiguous())
+    assert silu_mul(x, out) is out
+    assert_elem(out, silu_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "method"), [(1, None), (3, None), (3, "stream"), (16, None)])
+def test_gemv(dtype, m, method):
+    n, k = 37, 1000  # odd sizes: partial row tile and partial K tiles
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    assert gemv(x, w, out, method=method, block_k=128) is out
+    assert_rel(out, gemv_ref(x.double(), w.double()), dtype)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_counter_uniform_stream_is_the_samplers():
+    from tinyserve.sampling import counter_key
+    from tinyserve.sampling import counter_uniform as torch_uniform
+
+    seeds = torch.tensor([0, -1, 2**62 + 12345, -(2**63), 77], device=DEVICE)
+    keys = counter_key(seeds, torch.tensor([0, 1, 5, 1000, 3], device=DEVICE))
+    assert torch.equal(counter_uniform(keys, 3001), torch_uniform(keys, 3001))
+
+
+@pytest.mark.parametrize("num_chunks", [None, 1, 3])
+def test_sample_race_matches_reference(num_chunks):
+    from tinyserve.sampling import counter_key
+
+    keys = counter_key(
+        torch.randint(-(2**62), 2**62, (6,), device=DEVICE), torch.arange(6, device=DEVICE)
+    )
+    x = randn(6, 3000, scale=4.0)
+    x[1, 100:] = float("-inf")  # top-k style mask
+    x[2, :] = 0.0  # all ties: the race alone decides
+    greedy = torch.tensor([False, True, False, False, True, False], device=DEVICE)
+    x[4, 2000] = x[4, 17] = x[4].max() + 1  # greedy tie: the lower index wins
+    ids = sample_race(x, keys, greedy, num_chunks=num_chunks)
+    assert torch.equal(ids, sample_race_ref(x, keys, greedy))
+    assert ids[4] == 17
+    assert torch.equal(sample_race(x, keys, num_chunks=num_chunks), sample_race_ref(x, keys))
+
+
+def test_sample_race_equals_sampler_tokens():
+    """Processed logits + keys from SamplingTensors: the torch sampler's tokens exactly."""
+    from tinyserve.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
+
+    temps = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9]
+    rows = [SamplingRow(SamplingParams(temperature=t, seed=i), seed=i, prompt_ids=[1],
+                        output_ids=[2] * i) for i, t in enumerate(temps)]  # fmt: skip
+    tensors = SamplingTensors.build(rows, 2000, DEVICE)
+    logits = randn(6, 2000, scale=3.0)
+    processed = logits / tensors.temperature[:, None]
+    ids = sample_race(processed, tensors.rng_keys, tensors.is_greedy)
+    assert torch.equal(ids, sample(logits, tensors).token_ids)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def test_launchers_reject_bad_inputs():
+    q = randn(2, 4, 64)
+    k_cache, v_cache, table, lens = paged_cache(2, [3, 5], 2, 64, 16, F32)
+    with pytest.raises(ValueError, match="int32"):
+        decode_attention(q, k_cache, v_cache, table.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="dtypes"):
+        decode_attention(q.to(BF16), k_cache, v_cache, table, lens, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(randn(2, 3, 64), k_cache, v_cache, table, lens, 0.1)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(randn(17, 64), randn(8, 64))
+    with pytest.raises(ValueError, match="method"):
+        gemv(randn(2, 64), randn(8, 64), method="splitk")
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_mul(randn(8, 4).t())
+    with pytest.raises(ValueError, match="float32"):
+        sample_race(randn(2, 8, dtype=BF16), torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+# --------------------------------------------------------------------------- real shapes (GPU)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_heads", "block_size"), [(32, 16), (16, 16), (32, 32), (8, 1)])
+def test_decode_attention_gpu(num_heads, block_size):
+    lens = [4096, 1, 17, 2500, 777, 4000, 129, 3333] * 4  # 32 sequences, llama-8b / qwen3 GQA
+    k_cache, v_cache, table, context_lens = paged_cache(32, lens, 8, 128, block_size, BF16)
+    q = randn(32, num_heads, 128, dtype=BF16)
+    ref = decode_attention_ref(q, k_cache, v_cache, table, context_lens, 128**-0.5)
+    for splits in (None, 1, 7):
+        out = poisoned(q)
+        decode_attention(q, k_cache, v_cache, table, context_lens, 128**-0.5, out,
+                         num_splits=splits)  # fmt: skip
+        assert_rel(out, ref, BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_prefill_attention_gpu(dtype):
+    query_lens, lens = [1, 512, 37, 1000, 1, 300], [2000, 1024, 37, 3000, 5, 300]
+    k_cache, v_cache, table, context_lens = paged_cache(6, lens, 8, 128, 16, dtype)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEVICE)  # fmt: skip
+    q = randn(sum(query_lens), 32, 128, dtype=dtype)
+    out = poisoned(q)
+    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, 1000, 128**-0.5, out)
+    assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens,
+                                          128**-0.5), dtype)  # fmt: skip
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", [(151936, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (4096, 14336)]
+)
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_gemv_gpu(shape, m):
+    n, k = shape
+    x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
+    ref = gemv_ref(x.float(), w.float())
+    for method in (None, "stream") if m > 1 else (None,):
+        out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
+        gemv(x, w, out, method=method)
+        assert_rel(out, ref, BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("block_m", "block_n", "num_warps"), [(64, 64, 4), (128, 128, 8)])
+def test_prefill_attention_gpu_configs(block_m, block_n, num_warps):
+    lens = [900, 1500, 129]  # query lengths 1, 700, 129: decode, extend, fresh
+    k_cache, v_cache, table, context_lens = paged_cache(3, lens, 8, 128, 16, BF16)
+    cu = torch.tensor([0, 1, 701, 830], dtype=torch.int32, device=DEVICE)
+    q = randn(830, 32, 128, dtype=BF16)
+    out = poisoned(q)
+    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, 700, 0.1, out,
+                      block_m=block_m, block_n=block_n, num_warps=num_warps)  # fmt: skip
+    assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.1), BF16)
+
+
+@gpu
+@pytest.mark.gpu
+def test_small_ops_gpu_real_shapes():
+    x, r, w = randn(64, 4096, dtype=BF16), randn(64, 4096, dtype=BF16), randn(4096, dtype=BF16)
+    out, res = rms_norm(x, w, 1e-5, r)
+    ref, ref_res = rms_norm_ref(x, w, 1e-5, r)
+    assert torch.equal(res, ref_res)
+    assert_elem(out, ref, BF16)
+    g = randn(64, 2 * 14336, dtype=BF16, scale=3.0)
+    assert_elem(silu_mul(g), silu_mul_ref(g), BF16)
+    keys = torch.randint(-(2**62), 2**62, (64,), device=DEVICE)
+    logits = randn(64, 151936, scale=3.0)
+    assert torch.equal(sample_race(logits, keys), sample_race_ref(logits, keys))
