@@ -459,8 +459,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
 
 
-def _free_engine(llm) -> None:
-    del llm
+def _free_gpu() -> None:
+    """Return the memory of engines the caller dropped (weights, KV pool, graph pools)."""
     import gc
 
     gc.collect()
@@ -514,7 +514,8 @@ def bench_prefix(args) -> dict:
                 theory = (r - 1) * (sys_len // bs * bs) / (r * (sys_len + q_len))
                 row["hit_rate_theory"] = theory if name == "shared_prefix" else 0.0
             engine.check_invariants()
-        _free_engine(llm)
+        llm = engine = None
+        _free_gpu()
     for row in rows.values():
         row["ttft_speedup"] = row["ttft_median_s_off"] / row["ttft_median_s_on"]
         row["throughput_ratio"] = row["tok_per_s_on"] / row["tok_per_s_off"]
@@ -535,9 +536,10 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids) -> d
     engine = llm.engine
     long_len = min(long_len, engine.max_model_len - 64)
     one = SamplingParams(temperature=0, max_tokens=1)
+    drive(engine, [(0.0, "warm", rand_ids(min(long_len, 4 * budget)), one)])  # compile, warm
     alone = drive(engine, [(0.0, "alone", rand_ids(long_len), one)])
     ttft_alone = alone["alone"]["times"][0] - alone["alone"]["arrival"]
-    endless = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+    endless = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     for i in range(n_streams):
         engine.add_request(f"s{i}", rand_ids(64), endless)
     for _ in range(10):  # admission and warm-up
@@ -557,7 +559,8 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids) -> d
         engine.abort(f"s{i}")
     engine.step()
     engine.check_invariants()
-    _free_engine(llm)
+    llm = engine = None
+    _free_gpu()
     row = {"workload": "long_context", "streams": n_streams, "long_prompt": long_len,
            "budget": budget, "itl_median_ms_without": 1e3 * _pct(before, 0.5),
            "itl_p99_ms_during": 1e3 * _pct(during, 0.99), "ttft_long_s": ttft,
