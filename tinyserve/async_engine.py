@@ -52,11 +52,16 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one delta per engine step that moved this request; the last has finished=True.
 
-        Invalid input raises InvalidParameter before anything is queued.
+        Invalid input raises InvalidParameter before anything is queued. `cache_salt` keeps the
+        request's prefix-cache blocks apart from other salts (tenants).
         """
         if self.error is not None:
             raise EngineDeadError("the engine stopped after an error") from self.error
@@ -64,7 +69,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         except BaseException:
             self._queues.pop(request_id, None)
             raise

@@ -19,16 +19,24 @@ def engine_options(f):
     opts = [
         click.option("--model", default=None, help="HF model directory (default: SmolLM2-135M)."),
         click.option("--dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
-        click.option("--max-model-len", type=int, default=None),
-        click.option("--max-num-seqs", type=int, default=256, show_default=True),
-        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True),
-        click.option("--block-size", type=int, default=16, show_default=True),
+                     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                     help="Weights and KV dtype; auto follows the checkpoint and the device."),
+        click.option("--max-model-len", type=int, default=None,
+                     help="Context length (default: the model's, capped by the KV capacity)."),
+        click.option("--max-num-seqs", type=int, default=256, show_default=True,
+                     help="Most sequences in one batch."),
+        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+                     help="Token budget of one engine step (prefill chunks + decodes)."),
+        click.option("--block-size", type=int, default=16, show_default=True,
+                     help="Tokens per KV block (a power of two)."),
         click.option("--num-kv-blocks", type=int, default=None, help="Override KV pool size."),
-        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
+        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+                     help="Fraction of GPU memory for weights, activations and the KV cache."),
         click.option("--load-format", default="auto", show_default=True,
-                     type=click.Choice(["auto", "dummy"])),
-        click.option("--seed", type=int, default=0, show_default=True),
+                     type=click.Choice(["auto", "dummy"]),
+                     help="auto: the checkpoint's safetensors; dummy: seeded random weights."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed for requests that do not set one (and dummy weights)."),
         click.option("--device", default=None, help="cuda or cpu (default: cuda if available)."),
     ]  # fmt: skip
     for opt in reversed(opts):
@@ -72,6 +80,113 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
                 sys.stdout.write(o.text)
                 sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+@main.command()
+@engine_options
+@click.option(
+    "--served-model-name",
+    multiple=True,
+    help="Model name(s) clients send and responses report (repeatable; default: the "
+    "model directory's name).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port (0: any free one).")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="TINYSERVE_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on every route but /health [env: TINYSERVE_API_KEY].",
+)
+@click.option(
+    "--allowed-origin",
+    multiple=True,
+    help="Origin allowed by CORS (repeatable; default: CORS off).",
+)
+@click.option(
+    "--max-waiting",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Requests waiting for their first token; more get 429 + Retry-After.",
+)
+@click.option(
+    "--request-timeout",
+    type=float,
+    default=None,
+    help="Seconds a request may take from arrival (default: no limit).",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT: seconds in-flight requests get before they are aborted.",
+)
+@click.option(
+    "--clamp-max-tokens",
+    is_flag=True,
+    help="Shrink max_tokens to fit the context instead of answering 400.",
+)
+@click.option(
+    "--max-body-bytes",
+    type=int,
+    default=1 << 20,
+    show_default=True,
+    help="Largest request body accepted (413 above).",
+)
+def run(**kwargs) -> None:
+    """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics, /tokenize, /detokenize."""
+    import logging
+
+    import uvloop
+
+    from tinyserve.async_engine import AsyncEngine
+    from tinyserve.config import EngineConfig
+    from tinyserve.server import ServerConfig, serve, served_names
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        server_config = ServerConfig(**{k: v for k, v in kwargs.items() if k not in ENGINE_KEYS})
+        engine = _load_engine(EngineConfig(**{k: kwargs[k] for k in ENGINE_KEYS}))
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+
+    def ready(url: str) -> None:
+        name = served_names(server_config, engine.config.model)[0]
+        pool = engine.pool
+        click.echo(
+            f"tinyserve: serving {name} at {url}/v1 (KV cache: "
+            f"{engine.kv_capacity_tokens} tokens in {pool.num_blocks} blocks of "
+            f"{pool.block_size}; max_model_len {engine.max_model_len}; "
+            f"{engine.config.device}, {str(engine.dtype).removeprefix('torch.')})"
+        )
+        sys.stdout.flush()
+
+    try:
+        code = uvloop.run(serve(AsyncEngine(engine), server_config, ready))
+    except OSError as e:  # e.g. the port is taken
+        raise click.ClickException(str(e)) from None
+    sys.exit(code)
+
+
+def _load_engine(config):
+    """Build the engine in a thread while a progress line shows that loading is alive."""
+    import concurrent.futures
+
+    from tqdm import tqdm
+
+    from tinyserve.engine import LLMEngine
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(LLMEngine, config)
+        # NOTE: the loader reports no progress yet, so this shows elapsed time, not a fraction.
+        with tqdm(desc="Loading weights", bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
+            while not future.done():
+                concurrent.futures.wait([future], timeout=0.2)
+                bar.refresh()
+    return future.result()
 
 
 @main.command()

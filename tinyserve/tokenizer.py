@@ -77,9 +77,11 @@ class Tokenizer:
         return sorted(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # encode_batch releases the GIL (encode does not), so a long prompt tokenized in an
+        # executor thread does not stall the event loop.
         if not self.has_special_flags:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:

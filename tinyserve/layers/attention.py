@@ -31,6 +31,7 @@ class AttentionMetadata:
     # Decode split-K count, fixed per padded batch size so that eager and CUDA-graph steps sum
     # in the same order (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
+    decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU path, set lazily
 
 
 _metadata: AttentionMetadata | None = None
@@ -72,24 +73,36 @@ def decode_attention_ref(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence: q (B, Hq, D) -> (B, Hq, D). K/V are gathered through the
-    block tables into a padded (B, L, Hkv, D) tensor and masked beyond each context length."""
+    block tables into a padded (B, L, Hkv, D) tensor; positions past a context length read the
+    sequence's slot 0 (written, so finite: never-written memory may hold NaN and 0 * NaN would
+    poison the sum) and are masked out of the softmax."""
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-md.max_context_len // block_size)
-    blocks = md.block_tables[:, :num_blocks]  # (B, nb)
-    k = k_cache[blocks].flatten(1, 2)  # (B, nb * bs, Hkv, D)
-    v = v_cache[blocks].flatten(1, 2)
+    num_kv_heads = k_cache.shape[2]
+    slots, mask = _decode_gather(md, k_cache.shape[1])  # (B*L,), (B, 1, 1, L)
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    k = k.view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # (B, Hkv, D, L)
+    v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
     # GQA without repeating K/V: query head h reads kv head h // group.
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale  # (B, Hkv, G, L)
-    positions = torch.arange(k.shape[1], device=q.device)
-    valid = positions[None, :] < md.context_lens[:, None]  # (B, L)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    scores = torch.matmul(q, k).float() * scale + mask  # (B, Hkv, G, L)
     probs = scores.softmax(dim=-1).to(v.dtype)
-    # Padding slots may hold never-written memory (NaN/inf): 0 * NaN would poison the sum.
-    v.masked_fill_(~valid[:, :, None, None], 0.0)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)  # (B, Hkv, G, D)
-    return out.reshape(batch, num_heads, head_dim)
+    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
+
+
+def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat cache slots (B*L,) and the additive mask (B, 1, 1, L) of a decode step; computed
+    by the first layer and shared by the others (they read the same positions)."""
+    if md.decode_gather is None:
+        num_blocks = -(-md.max_context_len // block_size)
+        pos = torch.arange(num_blocks * block_size, device=md.block_tables.device)  # (L,)
+        valid = pos[None, :] < md.context_lens[:, None]  # (B, L)
+        pos = torch.where(valid, pos[None, :], 0)
+        blocks = md.block_tables.long().gather(1, pos // block_size)
+        slots = (blocks * block_size + pos % block_size).flatten()
+        mask = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
+        md.decode_gather = (slots, mask[:, None, None, :])
+    return md.decode_gather
 
 
 def prefill_attention_ref(
