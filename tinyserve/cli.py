@@ -38,6 +38,9 @@ def engine_options(f):
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seed for requests that do not set one (and dummy weights)."),
         click.option("--device", default=None, help="cuda or cpu (default: cuda if available)."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+                     show_default=True, help="Reuse the KV of committed prompt/answer prefixes."),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)
@@ -46,7 +49,7 @@ def engine_options(f):
 
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
-    "gpu_memory_utilization load_format seed device"
+    "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager"
 ).split()
 
 
