@@ -725,7 +725,9 @@ async def _serve_one(session, model: str, prompt: list[int], max_tokens: int) ->
             event = json.loads(line[6:])
             if event.get("usage"):
                 num_out = event["usage"]["completion_tokens"]
-            if event["choices"] and event["choices"][0]["text"]:
+            choice = event["choices"][0] if event["choices"] else None
+            # a chunk per token; a model without a tokenizer streams chunks with empty text
+            if choice and (choice["text"] or choice.get("finish_reason") is None):
                 chunk_times.append(time.perf_counter())
     end = time.perf_counter()
     if not chunk_times:

@@ -267,3 +267,27 @@ def test_cache_salt_isolates_prefix_cache_between_tenants(engine):
 
     a, b, a_again = asyncio.run(go())
     assert b == 0 and a_again > 0 and a_again >= a  # only the same tenant hits
+
+
+def test_model_without_tokenizer_serves_token_ids(tmp_path):
+    """Dummy benchmark shapes have no tokenizer.json: token-id prompts work, text gets a 400."""
+    from tinyserve.config import EngineConfig
+    from tinyserve.engine import LLMEngine
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu"))
+
+    async def go():
+        async with serving(engine) as client:
+            ok = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+            text = await client.post("/v1/completions", json={"prompt": "hi"})
+            chat = await client.post("/v1/chat/completions", json={"messages": CHAT})
+            return ok.status, await ok.json(), text.status, chat.status, await chat.json()
+
+    ok, body, text, chat, err = asyncio.run(go())
+    assert ok == 200 and body["usage"]["completion_tokens"] == 3
+    assert (text, chat) == (400, 400) and err["error"]["param"] == "messages"

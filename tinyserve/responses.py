@@ -78,8 +78,11 @@ class ResponseBuilder:
     def delta_chunk(self, index: int, o: CompletionOutput) -> bytes:
         """One choice's step as an SSE chunk; b"" when there is nothing to tell."""
         logprobs = self._logprobs(index, o)
-        if not o.text and o.finish_reason is None and logprobs is None:
-            return b""  # e.g. text held back while a stop string may be forming
+        # Nothing to tell: text held back (a stop string may be forming, half a character).
+        # A model without a tokenizer has no text at all: each step's chunk still goes out.
+        tokenless = self.tokenizer is None and o.token_ids
+        if not o.text and o.finish_reason is None and logprobs is None and not tokenless:
+            return b""
         delta = {"content": o.text} if (o.text or not self.chat) else {}
         return self._chunk(index, delta, o.finish_reason, logprobs, o.stop_reason)
 
@@ -141,6 +144,8 @@ class ResponseBuilder:
                 "top_logprobs": tops if k else None, "text_offset": offsets}  # fmt: skip
 
     def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:  # token-id-only model (dummy benchmark shapes)
+            return f"<{token_id}>"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 

@@ -31,7 +31,7 @@ from tinyserve.outputs import RequestOutput
 from tinyserve.protocol import APIError, GenerateRequest, ModelInfo
 from tinyserve.responses import DONE, ResponseBuilder, sse
 from tinyserve.sampling import InvalidParameter
-from tinyserve.tokenizer import ChatTemplateError
+from tinyserve.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("tinyserve.server")
 
@@ -78,7 +78,8 @@ class ServerState:
         self.engine, self.config, self.tokenizer = engine, config, llm.tokenizer
         model = llm.config.model
         self.served = served_names(config, model)
-        longest = max(map(len, self.tokenizer.backend.get_vocab()), default=1)
+        vocab = self.tokenizer.backend.get_vocab() if self.tokenizer else {}
+        longest = max(map(len, vocab), default=1)
         self.info = ModelInfo(
             self.served + (model,), llm.max_model_len, llm.model_config.vocab_size, max(1, longest)
         )
@@ -87,6 +88,12 @@ class ServerState:
         self.num_waiting = 0  # engine requests without their first output yet (backpressure)
         self.draining = False
         self.created = int(time.time())
+
+    def require_tokenizer(self, param: str) -> Tokenizer:
+        """Checkpoints without tokenizer.json (dummy benchmark shapes) serve token ids only."""
+        if self.tokenizer is None:
+            raise protocol.bad(param, "this model has no tokenizer: send token ids as the prompt")
+        return self.tokenizer
 
     def check_admission(self, num_requests: int) -> None:
         if not self.engine.is_running:
@@ -138,7 +145,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = protocol.parse_chat(await read_json(request), st.info)
     st.check_admission(1)  # cheap refusals before tokenizing
     num_chars = sum(len(m["content"]) for m in req.messages)
-    ids = await _offload(_render_chat, num_chars, st.tokenizer, req.messages)
+    tokenizer = st.require_tokenizer("messages")
+    ids = await _offload(_render_chat, num_chars, tokenizer, req.messages)
     return await _generate(request, req, [ids], arrival, chat=True)
 
 
@@ -157,7 +165,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     st.check_admission(len(req.prompts))
     ids = []
     for p in req.prompts:
-        ids.append(p if isinstance(p, list) else await _offload(st.tokenizer.encode, len(p), p))
+        if isinstance(p, list):
+            ids.append(p)
+        else:
+            ids.append(await _offload(st.require_tokenizer("prompt").encode, len(p), p))
     return await _generate(request, req, ids, arrival, chat=False)
 
 
@@ -299,6 +310,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
     what, add_special = protocol.parse_tokenize(await read_json(request), st.info)
+    st.require_tokenizer("prompt")
     if isinstance(what, str):
         ids = await _offload(st.tokenizer.encode, len(what), what, add_special)
     else:
@@ -310,6 +322,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
     ids = protocol.parse_detokenize(await read_json(request), st.info)
+    st.require_tokenizer("tokens")
     return json_response({"prompt": await _offload(st.tokenizer.decode, len(ids), ids)})
 
 
