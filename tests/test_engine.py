@@ -134,4 +134,7 @@ def test_invalid_requests_raise_typed_errors(smollm2_llm):
     with pytest.raises(InvalidParameter) as e:
         smollm2_llm.generate(["hi"], SamplingParams(max_tokens=10**7), use_tqdm=False)
     assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidParameter) as e:
+        smollm2_llm.generate(["hi"], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    assert e.value.param == "logit_bias"
     assert not smollm2_llm.engine.has_unfinished()

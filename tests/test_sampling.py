@@ -513,3 +513,21 @@ def test_cuda_no_sync_and_same_randomness_as_cpu():
     cpu = sample(logits.cpu(), SamplingTensors.build(rows, V, "cpu"))
     plain = [i for i in range(B) if i % 3 != 0]  # rows without top-p boundary rounding
     assert torch.equal(res.token_ids.cpu()[plain], cpu.token_ids[plain])
+
+
+def test_logit_bias_shifts_logits_and_is_validated():
+    V = 32
+    logits = torch.randn(3, V)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logit_bias={"5": 100, 7: -3.5}), 0, [1], []),
+        SamplingRow(SamplingParams(temperature=0), 0, [1], []),
+        SamplingRow(SamplingParams(temperature=1.0, logit_bias={9: 1e9}), 3, [1], [2]),
+    ]
+    assert rows[2].params.logit_bias == {9: 100.0}  # clamped to OpenAI's range
+    res = sample(logits, SamplingTensors.build(rows, V, "cpu"))
+    assert res.token_ids[0] == 5 and res.token_ids[1] == logits[1].argmax()
+    assert res.token_ids[2] == 9
+    for bad in ({"x": 1}, {-1: 1}, {1: float("nan")}, {1: "2"}, [1]):
+        with pytest.raises(InvalidParameter) as e:
+            SamplingParams(logit_bias=bad)
+        assert e.value.param == "logit_bias"

@@ -123,6 +123,9 @@ class LLMEngine:
                 raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParameter("logit_bias", f"logit_bias ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
             raise InvalidParameter(

@@ -153,6 +153,8 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         raise bad("n", f"n must be at most {MAX_N}, got {n}")  # before anything is allocated
     _check_logit_bias(body.get("logit_bias"), info.vocab_size)
     kwargs = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    if body.get("logit_bias"):
+        kwargs["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
     if max_key in body:
         kwargs["max_tokens"] = body[max_key]
     else:
@@ -315,8 +317,6 @@ def _check_logit_bias(value: Any, vocab_size: int) -> None:
         shown = ", ".join(repr(k if len(k) <= 16 else k[:13] + "...") for k in bad_keys)
         raise bad("logit_bias", f"invalid logit_bias entries (keys must be token ids in "
                   f"[0, {vocab_size}), values numbers in [-100, 100]): {shown}")  # fmt: skip
-    if value:  # valid, but the sampler has no bias stage yet: refuse rather than ignore it
-        raise unsupported("logit_bias", "logit_bias")
 
 
 def parse_tokenize(body: Any, info: ModelInfo) -> tuple[str | list[dict[str, str]], bool]:

@@ -89,8 +89,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
+        _check_logit_bias(self)
         for name, (allowed, ok) in _REAL_RULES.items():
             setattr(self, name, _real(name, getattr(self, name), allowed, ok))
         for name, (allowed, ok) in _INT_RULES.items():
@@ -137,6 +139,24 @@ class SamplingRow:
     output_ids: list[int]  # generated so far; len() is the step of the counter-based RNG
 
 
+def _check_logit_bias(p: SamplingParams) -> None:
+    """Normalize logit_bias to {int id: float clamped to [-100, 100]}; ids < vocab are checked
+    by the engine, which knows the vocabulary."""
+    if p.logit_bias is None:
+        return
+    if not isinstance(p.logit_bias, dict):
+        raise _invalid("logit_bias", "a dict of token id -> number", p.logit_bias)
+    clean = {}
+    for k, v in p.logit_bias.items():
+        k = int(k) if isinstance(k, str) and k.isdigit() else k
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise _invalid("logit_bias", "keyed by non-negative token ids", k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _invalid("logit_bias", "finite numbers", v)
+        clean[k] = min(100.0, max(-100.0, float(v)))  # OpenAI's range, clamped as vLLM does
+    p.logit_bias = clean or None
+
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: Tensor  # (B,) int64
@@ -168,6 +188,7 @@ class SamplingTensors:
     do_top_p: bool
     do_min_p: bool
     num_logprobs: int | None  # K = max logprobs asked; None when no row asked
+    bias: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, ids, values) of logit_bias
 
     @classmethod
     def build(
@@ -214,7 +235,15 @@ class SamplingTensors:
             prompt_mask = prompt_mask.index_fill_(0, flat, True).view(B, V)
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
         num_greedy = int(host_i[1].sum())
+        bias = [(r, k, v) for r, row in enumerate(rows) for k, v in
+                (row.params.logit_bias or {}).items()]  # fmt: skip
+        if bias:
+            br, bk, bv = zip(*bias)
+            assert max(bk) < V, "logit_bias id outside the vocabulary"
+            bias = (_to_device(torch.tensor(br), device), _to_device(torch.tensor(bk), device),
+                    _to_device(torch.tensor(bv, dtype=torch.float32), device))  # fmt: skip
         return cls(
+            bias=bias or None,
             temperature=f[0],
             top_p=f[1],
             min_p=f[2],
@@ -343,7 +372,10 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleResult:
     the input is not modified."""
     assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, (logits.shape, t.vocab_size)
     raw = logits.float()
-    x = apply_penalties(raw, t) if t.output_counts is not None else raw
+    x = raw
+    if t.bias is not None:  # logit_bias first, then penalties (vLLM's order)
+        x = raw.index_put(t.bias[:2], t.bias[2], accumulate=True)
+    x = apply_penalties(x, t) if t.output_counts is not None else x
     greedy_ids = x.argmax(dim=-1) if t.any_greedy else None  # first maximum on ties
     if t.all_greedy:
         token_ids = greedy_ids
