@@ -263,3 +263,21 @@ def test_same_prefix_admitted_together_is_computed_once():
     drain(sched, runner)
     assert [s.num_cached_tokens for s in seqs] == [0, 20, 20, 20]
     assert pool.trie.num_hit_tokens == 60
+
+
+def test_multi_token_append_crosses_blocks_and_trim_releases_lookahead():
+    pool, sched, runner = setup(num_blocks=16, block_size=4)
+    seq = make_seq(range(6), max_tokens=20)
+    seq.status = SequenceStatus.RUNNING
+    pool.may_append(seq, 6)
+    seq.num_kv_computed = 6  # blocks 0-1 hold 6 tokens
+    assert pool.can_append(seq, 9) and pool.num_new_blocks(seq, 9) == 2  # 15 tokens: 4 blocks
+    pool.may_append(seq, 9)  # k + 1 = 9 speculative slots across two block boundaries
+    assert len(seq.block_table) == 4 and seq.kv_token_limit == 15
+    seq.num_kv_computed = 8  # only 2 of the 9 were accepted
+    pool.trim(seq)
+    assert len(seq.block_table) == 2 and pool.num_free_blocks == 14
+    pool.check_invariants([seq])
+    assert not pool.can_append(seq, 16 * 4)
+    pool.free_seq(seq)
+    assert pool.num_free_blocks == 16
