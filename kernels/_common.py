@@ -44,3 +44,20 @@ def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models get exact fp32 products (tf32 would cost ~3e-4 relative error); 16-bit
     operands ignore the setting."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_paged(q, k_cache, v_cache, block_tables, batch: int) -> None:
+    """Checks shared by the paged attention launchers: q (*, Hq, D), caches (N, bs, Hkv, D)."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    check(v_cache.shape == k_cache.shape, "k_cache and v_cache shapes differ")
+    check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
+    check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and caches dtypes differ")
+    check(cache_dim == head_dim, "head_dim of q and cache differ")
+    check(head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of 2 <= 256")
+    check(num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv")
+    check(block_size & (block_size - 1) == 0, "block_size must be a power of two")
+    check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+          "q and caches need a contiguous last dim")  # fmt: skip
+    check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables int32 2-D")
+    check(block_tables.shape[0] == batch and block_tables.stride(1) == 1, "block_tables (B, n)")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, dot_precision, is_interpreter, next_pow2
+from ._common import check, check_paged, dot_precision, is_interpreter, next_pow2
 
 
 @triton.jit
@@ -144,17 +144,7 @@ def prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     batch = context_lens.shape[0]
-    check(v_cache.shape == k_cache.shape, "k_cache and v_cache shapes differ")
-    check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
-    check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and caches dtypes differ")
-    check(cache_dim == head_dim, "head_dim of q and cache differ")
-    check(head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} must be a power of 2 <= 256")
-    check(num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv")
-    check(block_size & (block_size - 1) == 0, "block_size must be a power of two")
-    check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
-          "q and caches need a contiguous last dim")  # fmt: skip
-    check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables int32 2-D")
-    check(block_tables.shape[0] == batch and block_tables.stride(1) == 1, "block_tables (B, n)")
+    check_paged(q, k_cache, v_cache, block_tables, batch)
     check(context_lens.dtype == torch.int32 and context_lens.is_contiguous(),
           "context_lens must be (B,) int32")  # fmt: skip
     check(cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (batch + 1,),
