@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
@@ -101,7 +102,12 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if num <= 16:
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            else:  # long chunks in numpy: a Python loop per token would hold the GIL for ms
+                pos = np.arange(start, end)
+                blocks = np.asarray(table[start // bs : (end - 1) // bs + 1])
+                slots += (blocks[pos // bs - start // bs] * bs + pos % bs).tolist()
             cu_q.append(cu_q[-1] + num)
             ctx_lens.append(end)
             if end == seq.num_tokens:
