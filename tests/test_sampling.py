@@ -531,3 +531,17 @@ def test_logit_bias_shifts_logits_and_is_validated():
         with pytest.raises(InvalidParameter) as e:
             SamplingParams(logit_bias=bad)
         assert e.value.param == "logit_bias"
+
+
+def test_explicit_step_equals_output_length():
+    """The engine passes `step` instead of copying output ids when no penalty needs them."""
+    logits = torch.randn(2, 64)
+    p = SamplingParams(temperature=1.0)
+    full = SamplingRow(p, 7, [1, 2], [3, 4, 5])
+    light = SamplingRow(p, 7, [], [], step=3)
+    a = sample(logits, SamplingTensors.build([full, full], 64, "cpu")).token_ids
+    b = sample(logits, SamplingTensors.build([light, light], 64, "cpu")).token_ids
+    assert torch.equal(a, b)
+    other = sample(logits, SamplingTensors.build([SamplingRow(p, 7, [], [], step=4)] * 2, 64,
+                                                 "cpu")).token_ids  # fmt: skip
+    assert full.num_output_tokens == light.num_output_tokens == 3 and other is not None

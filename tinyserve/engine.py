@@ -194,7 +194,11 @@ class LLMEngine:
         return list(deltas.values())
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(seq.params, seq.seed, seq.prompt_ids, seq.output_ids)
+        p = seq.params
+        # Copying token lists every step costs O(context) per row: only penalties need them.
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return SamplingRow(p, seq.seed, seq.prompt_ids, seq.output_ids)
+        return SamplingRow(p, seq.seed, [], [], step=seq.num_output_tokens)
 
     def _append_token(self, deltas: dict, seq: Sequence, out) -> None:
         req = self.requests[seq.request_id]

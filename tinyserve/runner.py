@@ -184,7 +184,7 @@ class ModelRunner:
         r, c = [], []
         for i, row in enumerate(rows):
             p = row.params
-            if len(row.output_ids) < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
                 r += [i] * len(ids)
                 c += sorted(ids)

@@ -136,7 +136,12 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request seed (the engine draws one when params.seed is None)
     prompt_ids: list[int]  # repetition_penalty applies to prompt + output (as HF / vLLM)
-    output_ids: list[int]  # generated so far; len() is the step of the counter-based RNG
+    output_ids: list[int]  # generated so far (only read when a penalty needs them)
+    step: int | None = None  # tokens generated so far (the RNG counter); None: len(output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids) if self.step is None else self.step
 
 
 def _check_logit_bias(p: SamplingParams) -> None:
@@ -207,7 +212,7 @@ class SamplingTensors:
             filters = (1.0, 1.0, 0.0) if greedy else (p.temperature, p.top_p, p.min_p)
             floats.append((*filters, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
             top_k = V if greedy or p.top_k == 0 else min(p.top_k, V)
-            ints.append((top_k, int(greedy), _wrap_int64(row.seed), len(row.output_ids)))
+            ints.append((top_k, int(greedy), _wrap_int64(row.seed), row.num_output_tokens))
             has_rep = p.repetition_penalty != 1.0
             if has_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 out_rows += array("q", [r]) * len(row.output_ids)
