@@ -542,6 +542,4 @@ def test_explicit_step_equals_output_length():
     a = sample(logits, SamplingTensors.build([full, full], 64, "cpu")).token_ids
     b = sample(logits, SamplingTensors.build([light, light], 64, "cpu")).token_ids
     assert torch.equal(a, b)
-    other = sample(logits, SamplingTensors.build([SamplingRow(p, 7, [], [], step=4)] * 2, 64,
-                                                 "cpu")).token_ids  # fmt: skip
-    assert full.num_output_tokens == light.num_output_tokens == 3 and other is not None
+    assert full.num_output_tokens == light.num_output_tokens == 3
