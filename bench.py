@@ -441,7 +441,7 @@ def drive(engine, arrivals: list[tuple[float, str, list[int], object]]) -> dict:
     while pending or engine.has_unfinished():
         now = time.perf_counter() - t0
         while pending and pending[0][0] <= now:
-            at, rid, ids, params = pending.pop(0)
+            _, rid, ids, params = pending.pop(0)
             engine.add_request(rid, ids, params)
             stats[rid] = {"arrival": now, "times": []}
         if not engine.has_unfinished():

@@ -89,6 +89,12 @@ def test_stop_strings_stop_ids_and_n(smollm2_llm):
     )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == word
     assert word not in stopped.text and full.text.startswith(stopped.text)
+    kept = smollm2_llm.generate(
+        [PROMPTS[2]],
+        SamplingParams(temperature=0, max_tokens=30, stop=[word], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == stopped.text + word
     tid = full.token_ids[5]
     by_id = smollm2_llm.generate(
         [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tid]),

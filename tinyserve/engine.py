@@ -214,6 +214,8 @@ class LLMEngine:
             reason = "stop"
         elif detok and detok.stopped:
             reason, stop_reason = "stop", detok.stop_reason
+            if p.include_stop_str_in_output:
+                text += detok.stop_reason
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:

@@ -48,10 +48,6 @@ def forward_context(metadata: AttentionMetadata | None) -> Iterator[AttentionMet
         _metadata = previous
 
 
-def get_forward_metadata() -> AttentionMetadata | None:
-    return _metadata
-
-
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
