@@ -16,13 +16,17 @@ from tinyserve.sequence import Sequence
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 key_next_token: bool = False):  # fmt: skip
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.trie = PrefixTrie(block_size) if enable_prefix_caching else None
+        # With an MTP head, a block's MTP-layer KV at its last position was computed from the
+        # token after the block: that token joins the key, so a hit reuses exactly that KV.
+        self.key_next_token = key_next_token
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,7 +97,8 @@ class BlockPool:
         subtree) and the content hashes of media spans overlapping the block."""
         lo, hi = i * self.block_size, (i + 1) * self.block_size
         media = tuple(h for start, end, h in seq.mm_spans if start < hi and end > lo)
-        return ((seq.cache_salt,) if i == 0 and seq.cache_salt else ()) + media
+        nxt = (seq.token_ids[hi],) if self.key_next_token else ()
+        return ((seq.cache_salt,) if i == 0 and seq.cache_salt else ()) + media + nxt
 
     def match_prefix(self, seq: Sequence) -> int:
         """Tentatively reuse cached blocks for a sequence with no KV; returns matched tokens.

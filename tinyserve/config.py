@@ -71,7 +71,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"  # the checkpoint's dtype; HF loads float32 when absent
-    num_nextn_predict_layers: int = 0  # MiMo MTP layers (not run yet)
+    num_nextn_predict_layers: int = 0  # MTP layers the checkpoint ships (speculative decoding)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
@@ -137,7 +137,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
-            num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
+            num_nextn_predict_layers=raw.get("num_nextn_predict_layers")
+            or raw.get("mtp_num_hidden_layers")
+            or 0,
         )
 
 
@@ -190,6 +192,7 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> list[int]:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_METHODS = (None, "mtp", "ngram")
 
 
 @dataclass(slots=True)
@@ -207,6 +210,11 @@ class EngineConfig:
     device: str | None = None  # None = "cuda" if available else "cpu"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (debugging, and the graphs-off test)
+    speculative_method: str | None = None  # None (off), "mtp" or "ngram"
+    num_speculative_tokens: int | None = None  # k drafts per step; required with a method
+    # Benchmark-only: accept exactly this many drafts per step whatever the target says (outputs
+    # are then NOT the model's). Shows the mechanism's ceiling at a fixed acceptance.
+    spec_force_accept: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -227,6 +235,27 @@ class EngineConfig:
             raise InvalidConfig(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise InvalidConfig(
+                "speculative_method",
+                f"{self.speculative_method!r} is not one of {', '.join(SPECULATIVE_METHODS[1:])}",
+            )
+        if self.speculative_method is None:
+            if self.num_speculative_tokens is not None:
+                raise InvalidConfig("num_speculative_tokens", "needs a speculative_method")
+        else:
+            if self.num_speculative_tokens is None:
+                raise InvalidConfig("num_speculative_tokens", "is required with speculative_method")
+            _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.spec_force_accept is not None:
+            if self.speculative_method is None:
+                raise InvalidConfig("spec_force_accept", "needs a speculative_method")
+            if not isinstance(self.spec_force_accept, int) or not (
+                0 <= self.spec_force_accept <= self.num_speculative_tokens
+            ):
+                raise InvalidConfig(
+                    "spec_force_accept", "must be an integer in [0, num_speculative_tokens]"
+                )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise InvalidConfig("seed", f"must be an integer, got {self.seed!r}")
         if self.device is None:

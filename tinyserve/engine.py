@@ -23,6 +23,7 @@ from tinyserve.runner import ModelRunner
 from tinyserve.sampling import InvalidParameter, SamplingParams, SamplingRow
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import Sequence
+from tinyserve.spec_decode import NgramProposer, SpecStats
 from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _SEED_MASK = (1 << 63) - 1
@@ -70,8 +71,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config, device)
         self.runner = ModelRunner(self.model_config, config, self.dtype)
         self.pool = BlockPool(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            key_next_token=config.speculative_method == "mtp",
+        )  # fmt: skip
         capacity = self.pool.num_blocks * config.block_size
         limit = config.max_model_len or self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > capacity:
@@ -82,7 +84,16 @@ class LLMEngine:
         # NOTE: a sequence of max_model_len tokens always fits the whole pool, so any admitted
         # request can run to completion once the others finish (no hang, only waiting).
         self.max_model_len = min(limit, capacity)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        k = config.num_speculative_tokens or 0
+        self.num_speculative_tokens = k
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+            spec_lookahead=k - 1 if config.speculative_method == "mtp" else 0,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
+        # Host-side drafters (n-gram; tests plug in others); MTP drafts come from the runner.
+        self.proposer = NgramProposer(k) if config.speculative_method == "ngram" else None
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._new: deque[Request] = deque()
         self._aborted: deque[str] = deque()
@@ -181,52 +192,87 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is not None:
             sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-            rows = [self._sampling_row(batch.seqs[i]) for i in sampled]
-            outs = self.runner.execute(batch, rows)
-            # 4) post-process: advance KV, append tokens, stop checks, detokenize, free
-            for seq, num in zip(batch.seqs, batch.num_new_tokens):
-                seq.num_kv_computed += num
-                self.pool.commit(seq)  # full blocks of final tokens enter the trie
-            for i, out in zip(sampled, outs):
-                self._append_token(deltas, batch.seqs[i], out)
+            rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
+            outs = iter(self.runner.execute(batch, rows))
+            # 4) post-process: append verified tokens, stop checks, detokenize, commit, free
+            for i, (seq, num) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+                if not batch.samples(i):
+                    seq.num_kv_computed += num
+                    self.pool.commit(seq)  # full blocks of final tokens enter the trie
+                    continue
+                out = next(outs)
+                num_drafts = len(seq.draft_ids)
+                if num_drafts:
+                    self.spec_stats.record(num_drafts, len(out.tokens) - 1)
+                    seq.num_draft_tokens += num_drafts
+                    seq.num_accepted_tokens += len(out.tokens) - 1
+                reason, delta = self._append_tokens(seq, out.tokens)
+                # Every token but the last now has KV (rejected drafts' slots are garbage).
+                seq.num_kv_computed = seq.num_tokens - 1
+                self.pool.commit(seq)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                else:
+                    self.pool.trim(seq)  # release the lookahead slots past the verified tokens
+                    seq.draft_ids = self._drafts(seq, out.draft_ids)
+                self._delta(deltas, self.requests[seq.request_id], seq, *delta)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
             del self.requests[rid]
         return list(deltas.values())
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _drafts(self, seq: Sequence, mtp_drafts: list[int]) -> list[int]:
+        """Next step's drafts, cut so that the step cannot pass max_tokens or max_model_len."""
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        num = min(self.num_speculative_tokens, room)
+        if num <= 0:
+            return []
+        if self.proposer is not None:
+            return self.proposer.propose(seq.token_ids)[:num]
+        return mtp_drafts[:num]
+
+    def _sampling_rows(self, seq: Sequence) -> list[SamplingRow]:
+        """One row per position sampled: the last token's, then one after each draft (the RNG
+        counter and the penalties see the drafts before it as already generated)."""
         p = seq.params
+        drafts = seq.draft_ids
         # Copying token lists every step costs O(context) per row: only penalties need them.
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            return SamplingRow(p, seq.seed, seq.prompt_ids, seq.output_ids)
-        return SamplingRow(p, seq.seed, [], [], step=seq.num_output_tokens)
+            out = seq.output_ids
+            return [SamplingRow(p, seq.seed, seq.prompt_ids, out + drafts[:j])
+                    for j in range(len(drafts) + 1)]  # fmt: skip
+        n = seq.num_output_tokens
+        return [SamplingRow(p, seq.seed, [], [], step=n + j) for j in range(len(drafts) + 1)]
 
-    def _append_token(self, deltas: dict, seq: Sequence, out) -> None:
+    def _append_tokens(self, seq: Sequence, outs) -> tuple[str | None, tuple]:
+        """Append a step's verified tokens up to the first stop; returns the finish reason and
+        the delta's (token ids, text, logprobs)."""
         req = self.requests[seq.request_id]
         p = seq.params
-        token = out.token_id
-        seq.token_ids.append(token)
         detok = req.detoks[seq.index]
-        text = detok.add([token]) if detok else ""
-        reason, stop_reason = None, None
-        if token in p.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif not p.ignore_eos and token in self.model_config.eos_token_ids:
-            reason = "stop"
-        elif detok and detok.stopped:
-            reason, stop_reason = "stop", detok.stop_reason
-            if p.include_stop_str_in_output:
-                text += detok.stop_reason
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            if detok and not detok.stopped:
-                text += detok.flush()
-            self.scheduler.finish(seq, reason)
-            seq.stop_reason = stop_reason
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = [{token: out.logprob, **dict(out.top_logprobs or [])}]
-        self._delta(deltas, req, seq, [token], text, logprobs)
+        ids, text, logprobs, reason, stop_reason = [], "", None, None, None
+        for out in outs:
+            token = out.token_id
+            seq.token_ids.append(token)
+            ids.append(token)
+            text += detok.add([token]) if detok else ""
+            if p.logprobs is not None:
+                logprobs = (logprobs or []) + [{token: out.logprob, **dict(out.top_logprobs or [])}]
+            if token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif not p.ignore_eos and token in self.model_config.eos_token_ids:
+                reason = "stop"
+            elif detok and detok.stopped:
+                reason, stop_reason = "stop", detok.stop_reason
+                if p.include_stop_str_in_output:
+                    text += detok.stop_reason
+            elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break  # drafts accepted past a stop are dropped
+        if reason is not None and detok and not detok.stopped:
+            text += detok.flush()
+        seq.stop_reason = stop_reason
+        return reason, (ids, text, logprobs)
 
     def _delta(self, deltas, req: Request, seq: Sequence, ids, text, logprobs=None) -> None:
         d = deltas.get(req.request_id)

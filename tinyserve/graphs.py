@@ -3,7 +3,8 @@
 A decode step of a small model is a few hundred tiny kernel launches; replaying them as one graph
 removes the launch gaps. Inputs live in static buffers that each step overwrites; padded rows
 write their KV into a scratch block (the last block of the cache, never handed out by the pool)
-and attend to that one slot, so they cannot disturb real sequences.
+and attend to it only, so they cannot disturb real sequences. `query_len` > 1 captures the
+speculative verify step: every row runs its last token plus k drafts (k + 1 queries).
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 block_size: int) -> None:  # fmt: skip
+                 block_size: int, query_len: int = 1, pool=None) -> None:  # fmt: skip
         dev = next(model.parameters()).device
         self.model = model
+        self.query_len = q = query_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n * q,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.context_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev
         )
@@ -51,8 +53,7 @@ class DecodeGraphs:
         )
         self.max_len = max_blocks_per_seq * block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        pool = None
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (hidden, logits)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             md = self._metadata(bs)
             with forward_context(md):
@@ -60,43 +61,50 @@ class DecodeGraphs:
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[bs] = self._run(bs)
+                    self.outputs[bs] = self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
+        self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
+        q, dev = self.query_len, self.input_ids.device
+        decode = q == 1
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
+            slot_mapping=self.slot_mapping[: bs * q],
             block_tables=self.block_tables[:bs],
-            cu_seqlens_q=torch.arange(bs + 1, dtype=torch.int32, device=self.input_ids.device),
+            cu_seqlens_q=torch.arange(0, bs * q + 1, q, dtype=torch.int32, device=dev),
             context_lens=self.context_lens[:bs],
-            query_lens_cpu=[1] * bs,
-            context_lens_cpu=[],  # unknown at capture: the decode kernel reads the device copy
+            query_lens_cpu=[q] * bs,
+            context_lens_cpu=[],  # unknown at capture: the kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
-            is_decode_only=True,
+            is_decode_only=decode,
             num_splits=decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
-                                         self.input_ids.device),
+                                         dev) if decode else None,
         )  # fmt: skip
 
-    def _run(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-        return self.model.compute_logits(hidden)
+    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = bs * self.query_len
+        hidden = self.model(self.input_ids[:n], self.positions[:n])
+        return hidden, self.model.compute_logits(hidden)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def run(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
-        """Inputs are device tensors of the real batch (B rows); returns logits (B, V)."""
-        b = input_ids.shape[0]
+    def run(self, input_ids, positions, slot_mapping, context_lens, block_tables
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Inputs are device tensors of the real batch (B rows of query_len tokens); returns
+        hidden (B * query_len, H) and logits (B * query_len, V)."""
+        b, q = context_lens.shape[0], self.query_len
         bs = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(slot_mapping)
-        self.slot_mapping[b:bs].fill_(self.scratch_slot)
+        self.input_ids[: b * q].copy_(input_ids)
+        self.positions[: b * q].copy_(positions)
+        self.slot_mapping[: b * q].copy_(slot_mapping)
+        self.slot_mapping[b * q : bs * q].fill_(self.scratch_slot)
         self.context_lens[:b].copy_(context_lens)
-        self.context_lens[b:bs].fill_(1)
+        self.context_lens[b:bs].fill_(q)
         # Columns past `width` and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
         self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
         self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        hidden, logits = self.outputs[bs]
+        return hidden[: b * q], logits[: b * q]

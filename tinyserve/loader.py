@@ -21,6 +21,7 @@ from tinyserve.config import ModelConfig
 from tinyserve.layers.linear import ShapeMismatch, default_weight_loader
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.models.llama import LlamaForCausalLM
+from tinyserve.models.mtp import LAYOUTS, MTPHead, detect_layout, map_mtp_name
 
 
 class CheckpointError(ValueError):
@@ -37,13 +38,17 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    with_mtp: bool = False,
 ) -> LlamaForCausalLM:
+    """`with_mtp` also builds and loads the checkpoint's MTP layers (else they are skipped)."""
     device = torch.device(device)
     # Parameters are torch.empty (no init kernels) and created directly on the device in the
     # target dtype, so nothing is allocated twice. (Meta + to_empty would also work but would
     # wipe the precomputed RoPE table, a buffer.)
     with _default_dtype(dtype), device:
         model = LlamaForCausalLM(config)
+        if with_mtp:
+            model.mtp = MTPHead(config, model)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format == "auto":
@@ -87,9 +92,7 @@ def _skipped(name: str, model: LlamaForCausalLM) -> bool:
     """Checkpoint tensors that are dropped on purpose (all others must map to a parameter)."""
     if name.endswith("rotary_emb.inv_freq"):  # buffer saved by old transformers; we recompute it
         return True
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-        return True  # some tied checkpoints still carry a copy of the embedding
-    return name.startswith(model.skip_weight_prefixes)
+    return name == "lm_head.weight" and model.config.tie_word_embeddings
 
 
 def _target(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
@@ -107,12 +110,27 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
         (name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))
     }
     written: dict[tuple[str, str | int | None], str] = {}  # (param, shard) -> checkpoint name
+    names = []
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names += f.keys()
+    layout = detect_layout(names, model.config)
+    if model.mtp is not None:
+        if layout is None:
+            raise CheckpointError("the checkpoint has no MTP weights (speculative method mtp)")
+        model.mtp.layout = LAYOUTS[layout]
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():
                 if _skipped(ckpt_name, model):
                     continue
-                key = _target(ckpt_name, model.packed_modules_mapping)
+                name = ckpt_name
+                mapped = map_mtp_name(name, layout, model.config) if layout else None
+                if mapped is not None:  # an MTP tensor
+                    if mapped == "" or model.mtp is None:
+                        continue  # not drafting, or the layer's copy of a shared weight
+                    name = mapped
+                key = _target(name, model.packed_modules_mapping)
                 if key not in expected:
                     raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
                 if key in written:
@@ -129,6 +147,11 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
                         f"tensor {ckpt_name!r} has shape {e.got}, the model expects {e.expected}"
                     ) from None
                 written[key] = ckpt_name
+    if layout is not None and model.mtp is not None and model.mtp.layout.zero_centred_norms:
+        with torch.no_grad():
+            for m in model.mtp.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight += 1.0  # Qwen3-Next stores w for a (1 + w) scale
     missing = expected - written.keys()
     if missing:
         names = sorted(

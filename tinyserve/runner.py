@@ -1,7 +1,8 @@
 """Model runner: owns the weights and the KV cache, turns a ScheduledBatch into tensors, runs the
 forward and the sampler. No policy lives here (that is the scheduler's job).
 
-The only host sync is `execute`'s final copy of the sampled ids (and logprobs) to the host.
+The only host sync is `execute`'s final copy of the sampled ids (and logprobs, accepted counts,
+MTP drafts) to the host.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tinyserve.layers.attention import Attention, AttentionMetadata, forward_con
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
+from tinyserve.spec_decode import accepted_counts
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
 
@@ -27,6 +29,37 @@ class RowOutput:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+@dataclass(slots=True)
+class SeqOutput:
+    """What one sampling sequence got from a step."""
+
+    tokens: list[RowOutput]  # accepted drafts, then the target's own token
+    draft_ids: list[int]  # the MTP head's drafts for the next step ([] without MTP)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Device inputs of one step, plus the host lists that slice its outputs."""
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    metadata: AttentionMetadata
+    logits_idx: list[int]  # token index of each logits row (R,)
+    seg_starts: list[int]  # first logits row of each sampling sequence (S,)
+    idx: torch.Tensor  # logits_idx on the device
+    next_ids: torch.Tensor | None  # (T,) token after each position where known (MTP input)
+    draft_next: torch.Tensor | None  # (R,) draft for the position after each row, -1 if none
+    seg_starts_dev: torch.Tensor  # (S,)
+    seg_ids: torch.Tensor | None  # (R,) sampling sequence of each logits row
+    kv_limits: torch.Tensor  # (S,) KV slots owned by each sampling sequence
+    max_kv_limit: int
+    sample_rows: torch.Tensor  # (S,) batch row of each sampling sequence
+
+
+def _lengths(starts: list[int], total: int) -> list[int]:
+    return [b - a for a, b in zip(starts, starts[1:] + [total])]
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> None:
         self.model_config = model_config
@@ -34,7 +67,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = load_model(model_config, dtype, self.device, config.load_format, config.seed)
+        self.model = load_model(model_config, dtype, self.device, config.load_format, config.seed,
+                                with_mtp=config.speculative_method == "mtp")  # fmt: skip
+        self.mtp = self.model.mtp
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
         mc = model_config
@@ -49,14 +84,16 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         limit = min(config.max_model_len or 1 << 30, mc.max_position_embeddings)
         self.max_blocks_per_seq = -(-limit // self.block_size)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from tinyserve.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(
-                self.model, config.max_num_seqs, self.max_blocks_per_seq, self.num_kv_blocks,
-                self.block_size,
-            )  # fmt: skip
+            args = (self.model, config.max_num_seqs, self.max_blocks_per_seq, self.num_kv_blocks,
+                    self.block_size)  # fmt: skip
+            self.graphs = DecodeGraphs(*args)
+            if config.speculative_method is not None:  # the verify step: last token + k drafts
+                q = config.num_speculative_tokens + 1
+                self.verify_graphs = DecodeGraphs(*args, query_len=q, pool=self.graphs.pool)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -89,17 +126,25 @@ class ModelRunner:
             )
         return int(budget // self.kv_bytes_per_block)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
+        next_ids: list[int] = []  # the token after each position where known (MTP's input)
         positions: list[int] = []
         slots: list[int] = []
         cu_q = [0]
         ctx_lens: list[int] = []
         logits_idx: list[int] = []
+        draft_next: list[int] = []  # per logits row: the draft for the position after it, or -1
+        seg_starts: list[int] = []  # per sampled sequence: its first logits row
         for seq, num in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_kv_computed, seq.num_kv_computed + num
-            input_ids += seq.token_ids[start:end]
+            drafts = seq.draft_ids
+            tokens = seq.token_ids + drafts if drafts else seq.token_ids
+            input_ids += tokens[start:end]
+            if self.mtp is not None:
+                following = tokens[start + 1 : end + 1]
+                next_ids += following + [0] * (num - len(following))  # sampled ones: on device
             positions += range(start, end)
             table = seq.block_table
             if num <= 16:
@@ -110,20 +155,23 @@ class ModelRunner:
                 slots += (blocks[pos // bs - start // bs] * bs + pos % bs).tolist()
             cu_q.append(cu_q[-1] + num)
             ctx_lens.append(end)
-            if end == seq.num_tokens:
-                logits_idx.append(cu_q[-1] - 1)
+            if end >= seq.num_tokens:  # samples: the last known token, then each draft
+                seg_starts.append(len(logits_idx))
+                n = end - seq.num_tokens + 1
+                logits_idx += range(cu_q[-1] - n, cu_q[-1])
+                draft_next += drafts[: n - 1] + [-1]
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
 
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+        def t(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(
                 dev, non_blocking=True
             )
 
         q_lens = batch.num_new_tokens
-        self._metadata = AttentionMetadata(
-            slot_mapping=t(slots, torch.long),
+        md = AttentionMetadata(
+            slot_mapping=t(slots),
             block_tables=t(tables, torch.int32),
             cu_seqlens_q=t(cu_q, torch.int32),
             context_lens=t(ctx_lens, torch.int32),
@@ -132,52 +180,150 @@ class ModelRunner:
             max_context_len=max(ctx_lens),
             is_decode_only=all(n == 1 for n in q_lens),
         )
-        if self._metadata.is_decode_only and dev.type == "cuda":
+        if md.is_decode_only and dev.type == "cuda":
             from tinyserve.graphs import decode_num_splits
 
             mc = self.model_config
-            self._metadata.num_splits = decode_num_splits(
+            md.num_splits = decode_num_splits(
                 len(q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
                 self.max_blocks_per_seq * self.block_size, dev,
             )  # fmt: skip
-        return t(input_ids, torch.long), t(positions, torch.long), logits_idx
+        spec = len(draft_next) > len(seg_starts)  # some row carries drafts
+        limits = [s.kv_token_limit for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        seg_ids = [s for s, n in enumerate(_lengths(seg_starts, len(logits_idx))) for _ in range(n)]
+        return StepInputs(
+            input_ids=t(input_ids),
+            positions=t(positions),
+            metadata=md,
+            logits_idx=logits_idx,
+            seg_starts=seg_starts,
+            idx=t(logits_idx),
+            next_ids=t(next_ids) if self.mtp is not None else None,
+            draft_next=t(draft_next) if spec else None,
+            seg_starts_dev=t(seg_starts),
+            seg_ids=t(seg_ids) if spec else None,
+            kv_limits=t(limits),
+            max_kv_limit=max(limits, default=0),
+            sample_rows=t([i for i in range(len(batch.seqs)) if batch.samples(i)]),
+        )
+
+    def _forward(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden (T, H) and, when a CUDA graph ran, logits of all T tokens."""
+        md = x.metadata
+        q_lens = md.query_lens_cpu
+        graphs = self.graphs if md.is_decode_only else None
+        if self.verify_graphs is not None and len(set(q_lens)) == 1:
+            if q_lens[0] == self.verify_graphs.query_len and len(x.logits_idx) == len(x.input_ids):
+                graphs = self.verify_graphs  # every row verifies k drafts
+        if graphs is not None and graphs.can_run(len(q_lens)):
+            return graphs.run(x.input_ids, x.positions, md.slot_mapping, md.context_lens,
+                              md.block_tables)  # fmt: skip
+        with forward_context(md):
+            return self.model(x.input_ids, x.positions), None
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> list[RowOutput]:
-        """Forward the batch; sample one token for each row that reached its last known token.
+    def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> list[SeqOutput]:
+        """Forward the batch and sample every logits row; returns, per sequence that samples
+        (in batch order), its verified tokens and the MTP head's drafts for the next step.
 
-        `rows` holds the sampling state of those rows, in batch order.
+        `rows` holds the sampling state of each logits row: one per sampling sequence, plus
+        one per draft of a speculative row.
         """
-        input_ids, positions, logits_idx = self._prepare(batch)
-        md = self._metadata
-        if md.is_decode_only and self.graphs is not None and self.graphs.can_run(len(rows)):
-            logits = self.graphs.run(input_ids, positions, md.slot_mapping, md.context_lens,
-                                     md.block_tables)  # fmt: skip
+        x = self._prepare(batch)
+        hidden, all_logits = self._forward(x)
+        if not x.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
+            if self.mtp is not None:
+                self._mtp_first_pass(x, hidden, x.next_ids)  # the MTP layer's KV only
+            return []
+        if all_logits is not None:
+            logits = all_logits if len(x.logits_idx) == len(x.input_ids) else all_logits[x.idx]
         else:
-            with forward_context(md):
-                hidden = self.model(input_ids, positions)
-            if not logits_idx:
-                return []  # only non-final prefill chunks: no logits, nothing sampled
-            idx = torch.tensor(logits_idx, device=self.device)
-            logits = self.model.compute_logits(hidden[idx])  # (N, V) float32
-        assert len(rows) == len(logits_idx)
+            logits = self.model.compute_logits(hidden[x.idx])  # (R, V) float32
+        assert len(rows) == len(x.logits_idx)
         self._mask_stop_tokens(logits, rows)
         result = sample(logits, SamplingTensors.build(rows, logits.shape[-1], self.device))
+        sampled = result.token_ids
+        num_seqs = len(x.seg_starts)
+        if x.draft_next is not None:
+            force = self.config.spec_force_accept
+            accepted = accepted_counts(sampled, x.draft_next, x.seg_ids, x.seg_starts_dev, force)
+            if force is not None:  # benchmarks: the forced drafts become the emitted tokens
+                sampled = torch.where(x.draft_next >= 0, x.draft_next, sampled)
+        else:
+            accepted = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
+        drafts = None
+        if self.mtp is not None:
+            drafts = self._mtp_drafts(x, hidden, sampled, accepted)
         # NOTE: the one host sync of a step.
-        token_ids = result.token_ids.tolist()
+        token_ids = sampled.tolist()
+        num_accepted = accepted.tolist()
+        draft_ids = drafts.tolist() if drafts is not None else [[]] * num_seqs
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         tops = None
         if result.top_ids is not None:
             tops = list(zip(result.top_ids.tolist(), result.top_logprobs.tolist()))
         outs = []
-        for i, (tok, row) in enumerate(zip(token_ids, rows)):
-            out = RowOutput(tok)
-            if row.params.logprobs is not None and logprobs is not None:
-                out.logprob = logprobs[i]
-                k = row.params.logprobs
-                out.top_logprobs = list(zip(tops[i][0][:k], tops[i][1][:k])) if tops else []
-            outs.append(out)
+        for first, num, drafted in zip(x.seg_starts, num_accepted, draft_ids):
+            tokens = []
+            for r in range(first, first + num + 1):
+                out = RowOutput(token_ids[r])
+                p = rows[r].params
+                if p.logprobs is not None and logprobs is not None:
+                    out.logprob = logprobs[r]
+                    k = p.logprobs
+                    out.top_logprobs = list(zip(tops[r][0][:k], tops[r][1][:k])) if tops else []
+                tokens.append(out)
+            outs.append(SeqOutput(tokens, drafted))
         return outs
+
+    def _mtp_first_pass(self, x: StepInputs, hidden: torch.Tensor, next_ids: torch.Tensor):
+        """MTP layer 0 over every token of the step, at the target's positions and slots: writes
+        its KV (entry i from target hidden h_i and token t_{i+1}) and returns its output."""
+        with forward_context(x.metadata):
+            return self.mtp(next_ids, hidden, x.positions, target_hidden=True)
+
+    def _mtp_drafts(self, x: StepInputs, hidden: torch.Tensor, sampled: torch.Tensor,
+                    accepted: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """k drafts per sampling sequence (S, k), on the device. The first comes from the MTP
+        entry at the last verified position (its next token is the one just sampled); the
+        others chain the MTP head on its own output, one position further each, writing their
+        KV into the row's lookahead slots (rewritten once the target verifies them)."""
+        next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
+        out = self._mtp_first_pass(x, hidden, next_ids)
+        chosen = x.idx[x.seg_starts_dev] + accepted  # token index of the last verified position
+        h = out[chosen]
+        token = self.mtp.compute_logits(h).argmax(-1)
+        drafts = [token]
+        k = self.config.num_speculative_tokens
+        if k > 1:
+            bs, num = self.block_size, len(x.seg_starts)
+            pos = x.positions[chosen]
+            tables = x.metadata.block_tables[x.sample_rows]  # (S, W)
+            limits = x.kv_limits
+            max_pos = self.model_config.max_position_embeddings - 1
+            scratch = self.num_kv_blocks * bs
+            cu = torch.arange(num + 1, dtype=torch.int32, device=self.device)
+            for _ in range(1, k):
+                pos = pos + 1
+                valid = pos < limits  # past the lookahead slots: write to the scratch slot
+                p = torch.minimum(pos, limits - 1)
+                col = (p // bs).clamp(max=tables.shape[1] - 1)[:, None]
+                slots = tables.gather(1, col).squeeze(1).long() * bs + p % bs
+                md = AttentionMetadata(
+                    slot_mapping=torch.where(valid, slots, scratch),
+                    block_tables=tables,
+                    cu_seqlens_q=cu,
+                    context_lens=(p + 1).to(torch.int32),
+                    query_lens_cpu=[1] * num,
+                    context_lens_cpu=[],
+                    max_context_len=x.max_kv_limit,
+                    is_decode_only=True,
+                )
+                with forward_context(md):
+                    h = self.mtp(token, h, pos.clamp(max=max_pos), target_hidden=False)
+                token = self.mtp.compute_logits(h).argmax(-1)
+                drafts.append(token)
+        return torch.stack(drafts, dim=1)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs."""

@@ -11,6 +11,11 @@ tokens (chunk by chunk; `kv_token_limit`). Order within a step:
   4) long partial prefills take what budget is left, so short prompts are not starved.
 Under KV pressure the newest sequence still prefilling yields first (its committed blocks stay
 cached), then the newest decoding one is preempted (recompute). No CUDA here.
+
+Speculative decoding: a decoding row carries its drafts (`seq.draft_ids`), so it schedules
+1 + k tokens (fewer drafts if the budget is short), and a row that samples also reserves
+`spec_lookahead` more KV slots (where the MTP head writes its chained drafts). The engine trims
+what verification rejected after the step.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ AGING_STEPS = 4  # a long prefill waits at most this many steps behind short pro
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence, this step
+    num_new_tokens: list[int]  # per sequence, this step (1 + drafts for a speculative row)
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +41,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Row i produces a token: its chunk reaches the end of its known tokens."""
         seq = self.seqs[i]
-        return seq.num_kv_computed + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_kv_computed + self.num_new_tokens[i] >= seq.num_tokens
 
 
 class Scheduler:
@@ -46,12 +51,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         long_prefill_tokens: int | None = None,
+        spec_lookahead: int = 0,
+        max_model_len: int = 1 << 62,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A prefill with more tokens left than this is "long" and yields to short prompts.
         self.long_prefill_tokens = long_prefill_tokens or max(1, max_num_batched_tokens // 4)
+        self.spec_lookahead = spec_lookahead
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_steps = 0
@@ -95,8 +104,10 @@ class Scheduler:
     def _schedule_running(self, seq: Sequence) -> None:
         if self._budget == 0 or seq.status is not SequenceStatus.RUNNING:
             return  # out of budget, or preempted earlier in this step
-        num = min(seq.num_uncomputed, self._budget)
-        while not self.pool.can_append(seq, num):
+        num = min(seq.num_uncomputed + len(seq.draft_ids), self._budget)
+        del seq.draft_ids[max(0, num - seq.num_uncomputed) :]  # a short budget cuts drafts
+        extra = self._lookahead(seq, num)
+        while not self.pool.can_append(seq, num + extra):
             victim = self._pick_victim()
             self._preempt(victim)
             if victim is seq:
@@ -104,14 +115,15 @@ class Scheduler:
                 # else would livelock here.
                 assert self._batch or self.running, "a sequence outgrew the whole KV pool"
                 return
-        self._take(seq, num)
+        self._take(seq, num, extra)
 
     def _admit(self, seq: Sequence) -> bool | None:
         """Admitted (True), deferred a step (False), or no KV for its first chunk (None)."""
         matched = self.pool.match_prefix(seq)  # tentative: undone below unless admitted
         num = min(seq.num_uncomputed, self._budget)
+        extra = self._lookahead(seq, num)
         in_flight = self._is_in_flight(seq, matched)
-        if in_flight or not self.pool.can_append(seq, num):
+        if in_flight or not self.pool.can_append(seq, num + extra):
             self.pool.free_seq(seq)
             seq.num_kv_computed = 0
             return False if in_flight else None
@@ -123,7 +135,7 @@ class Scheduler:
                 self.pool.trie.num_hit_tokens += matched
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self._take(seq, num)
+        self._take(seq, num, extra)
         return True
 
     def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
@@ -144,8 +156,16 @@ class Scheduler:
             for other in self.running
         )
 
-    def _take(self, seq: Sequence, num: int) -> None:
-        self.pool.may_append(seq, num)
+    def _lookahead(self, seq: Sequence, num: int) -> int:
+        """Extra KV slots of a row that samples (the MTP chain's), never past the position
+        table: a chain step beyond them writes to the scratch slot instead."""
+        if num < seq.num_uncomputed or not self.spec_lookahead:
+            return 0  # a non-final prefill chunk owns KV up to its chunk end only
+        room = self.max_model_len - (seq.num_kv_computed + num)
+        return max(0, min(self.spec_lookahead, room))
+
+    def _take(self, seq: Sequence, num: int, extra: int = 0) -> None:
+        self.pool.may_append(seq, num + extra)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
@@ -162,6 +182,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free_seq(seq)
         seq.num_kv_computed = 0
+        seq.draft_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -39,6 +39,11 @@ class Sequence:
     trie_node: object | None = None  # trie node of the last committed block (insert cursor)
     cache_salt: str | None = None  # isolates tenants: part of the first block's key
     mm_spans: tuple[tuple[int, int, str], ...] = ()  # (start, end, content hash) of media
+    # Speculative decoding: drafts proposed for the positions after the last token (scheduled
+    # with it next step, never part of token_ids until verified), and acceptance counts.
+    draft_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     num_preemptions: int = 0
     last_scheduled_step: int = 0  # for aging: long prefills are not starved forever
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'

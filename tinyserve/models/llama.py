@@ -1,9 +1,12 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3, MiMo's main model) with HF parameter names.
 
 Tokens of all sequences are packed in one dimension: `model(input_ids (T,), positions (T,))` ->
-hidden (T, H); `compute_logits(hidden (N, H))` -> (N, V) float32. Attention reads the paged-KV
-metadata from `layers.attention.forward_context`. q/k/v and gate/up run as packed matmuls; the
-loader fills them from the checkpoint's separate tensors via `packed_modules_mapping`.
+hidden (T, H), the residual stream before the final norm; `compute_logits(hidden (N, H))` applies
+the final norm and the LM head to the N rows that need logits -> (N, V) float32. (The MTP head
+of MiMo reads the pre-norm hidden of every position, so the norm moves to where it is needed.)
+Attention reads the paged-KV metadata from `layers.attention.forward_context`. q/k/v and gate/up
+run as packed matmuls; the loader fills them from the checkpoint's separate tensors via
+`packed_modules_mapping`.
 """
 
 from __future__ import annotations
@@ -111,8 +114,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotate)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden + residual  # HF's last residual add, in the activation dtype
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,15 +134,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Checkpoint tensors the loader skips on purpose. MiMo ships its MTP head
-        # (model.mtp_layers.*) next to the main model; it is not run yet, so its weights are
-        # dropped by name here rather than by ignoring unknown tensors in general.
-        self.skip_weight_prefixes: tuple[str, ...] = (
-            ("model.mtp_layers.",) if config.architecture == "MiMoForCausalLM" else ()
-        )
+        self.mtp: nn.Module | None = None  # models.mtp.MTPHead, set by the loader when drafting
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head(self.model.norm(hidden))

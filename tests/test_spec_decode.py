@@ -1,0 +1,283 @@
+"""Speculative decoding: lossless verification, KV rollback and commits, MTP drafts.
+
+Tiny random MiMo-shaped models (CPU, fp32) keep these fast; the n-gram path also runs on the
+real SmolLM2 in test_spec_smollm2.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tinyserve import LLM, SamplingParams
+from tinyserve.config import InvalidConfig
+from tinyserve.layers.attention import forward_context
+from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+from tinyserve.spec_decode import NgramProposer, accepted_counts
+
+VOCAB = 96
+CONFIG = dict(
+    architectures=["MiMoForCausalLM"], model_type="mimo", vocab_size=VOCAB, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, torch_dtype="float32",
+)  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mimo_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mimo")
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+def make_llm(path, **kw):
+    kw = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, block_size=4) | kw
+    return LLM(path, **kw)
+
+
+def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(VOCAB) for _ in range(24)]
+    # repeated spans make n-gram drafts hit; a shared head exercises the prefix trie
+    return [base[:12] + base[: 5 + 3 * i] + [rng.randrange(VOCAB)] for i in range(n)]
+
+
+def run(llm, ps, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(ps, params, use_tqdm=False)
+    llm.engine.check_invariants()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(mimo_dir):
+    return run(make_llm(mimo_dir), prompts())
+
+
+class Oracle:
+    """Test-only proposer: drafts the reference continuation (100% acceptance)."""
+
+    def __init__(self, k: int, conts: dict[tuple, list[int]]) -> None:
+        self.k, self.conts = k, conts
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        for prompt, cont in self.conts.items():
+            n = len(prompt)
+            if tuple(token_ids[:n]) == prompt:
+                done = len(token_ids) - n
+                return cont[done : done + self.k]
+        raise AssertionError("unknown sequence")
+
+
+class RandomProposer:
+    """Drafts the reference token with probability 1/2, else a random one: partial acceptance."""
+
+    def __init__(self, k: int, oracle: Oracle, seed: int = 0) -> None:
+        self.k, self.oracle, self.rng = k, oracle, random.Random(seed)
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        good = self.oracle.propose(token_ids)
+        return [t if self.rng.random() < 0.5 else self.rng.randrange(VOCAB) for t in good]
+
+
+# -- units ---------------------------------------------------------------------------------------
+
+
+def test_ngram_proposer_takes_the_most_recent_match():
+    p = NgramProposer(k=3, max_n=3, min_n=2)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]
+    assert p.propose([5, 6, 7, 8]) == []  # no earlier occurrence
+    assert p.propose([4, 4, 4, 4]) == [4]  # the most recent match, cut at the end
+    assert p.propose([1]) == []
+
+
+def test_accepted_counts_per_segment():
+    # three sequences: 2 drafts (both accepted), 3 drafts (first rejected), no drafts
+    sampled = torch.tensor([5, 6, 7, 1, 2, 3, 4, 9])
+    draft_next = torch.tensor([5, 6, -1, 8, 2, 3, -1, -1])
+    seg_ids = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    starts = torch.tensor([0, 3, 7])
+    assert accepted_counts(sampled, draft_next, seg_ids, starts).tolist() == [2, 0, 0]
+    assert accepted_counts(sampled, draft_next, seg_ids, starts, force=1).tolist() == [1, 1, 0]
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs / probs.sum() * counts.sum()
+    keep = expected > 0
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    # P(X > chi2) for X ~ chi-square(df): the regularized upper incomplete gamma function
+    df = torch.tensor((keep.sum() - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(df, torch.tensor(chi2 / 2, dtype=torch.float64)).item()
+
+
+def test_rejection_sampling_matches_the_target_distribution():
+    """20k verify rows, each drafting token 2 against a fixed target p: the emitted token is
+    distributed as p (chi-square), the draft is accepted with probability p(2), and a rejected
+    row emits from normalize(max(p - delta_2, 0))."""
+    V, N, draft = 8, 20_000, 2
+    logits = torch.tensor([1.0, 0.2, 0.6, -1.0, 0.0, 1.4, -0.5, 0.3])
+    params = SamplingParams(temperature=0.8)
+    # Row 2i verifies the draft (step 0), row 2i+1 is the bonus position (step 1).
+    rows = [SamplingRow(params, seed, [], [], step=j) for seed in range(N) for j in (0, 1)]
+    sampled = sample(logits.repeat(2 * N, 1), SamplingTensors.build(rows, V, "cpu")).token_ids
+    draft_next = torch.tensor([draft, -1]).repeat(N)
+    seg_ids = torch.arange(N).repeat_interleave(2)
+    acc = accepted_counts(sampled, draft_next, seg_ids, torch.arange(0, 2 * N, 2))
+    first = sampled[0::2]  # the emitted token: the accepted draft, or the replacement
+    assert torch.equal(acc == 1, first == draft)
+    p = torch.softmax(logits / 0.8, -1).double().numpy()
+    assert chi2_pvalue(np.bincount(first.numpy(), minlength=V), p) > 0.01
+    assert abs(acc.double().mean().item() - p[draft]) < 4 * np.sqrt(p[draft] / N)
+    residual = p.copy()
+    residual[draft] = 0.0  # max(p - q, 0) with q = delta_draft
+    rejected = first[acc == 0].numpy()
+    assert chi2_pvalue(np.bincount(rejected, minlength=V), residual) > 0.01
+
+
+def test_config_errors():
+    with pytest.raises(InvalidConfig, match="speculative_method"):
+        LLM(None, speculative_method="eagle")
+    with pytest.raises(InvalidConfig, match="num_speculative_tokens"):
+        LLM(None, speculative_method="ngram")
+    with pytest.raises(InvalidConfig, match="spec_force_accept"):
+        LLM(None, speculative_method="ngram", num_speculative_tokens=2, spec_force_accept=3)
+
+
+# -- lossless end to end ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method,k,caching,budget,blocks",
+    [("ngram", 3, True, 8192, None), ("ngram", 5, False, 16, None), ("mtp", 1, True, 8192, None),
+     ("mtp", 2, False, 8192, None), ("mtp", 3, True, 16, None), ("mtp", 3, False, 64, None),
+     ("mtp", 2, True, 64, 24), ("ngram", 3, True, 64, 24)],
+)  # fmt: skip
+def test_greedy_identical_to_no_speculation(mimo_dir, reference, method, k, caching, budget,
+                                            blocks):  # fmt: skip
+    llm = make_llm(mimo_dir, speculative_method=method, num_speculative_tokens=k,
+                   enable_prefix_caching=caching, max_num_batched_tokens=budget,
+                   num_kv_blocks=blocks)  # fmt: skip
+    assert run(llm, prompts()) == reference
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    if blocks:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_oracle_accepts_everything_across_block_boundaries(mimo_dir, reference, caching):
+    k = 9  # 10 tokens per step with block_size 4: each step crosses two or more boundaries
+    llm = make_llm(mimo_dir, speculative_method="ngram", num_speculative_tokens=k,
+                   enable_prefix_caching=caching)  # fmt: skip
+    ps = prompts()
+    llm.engine.proposer = Oracle(k, {tuple(p): c for p, c in zip(ps, reference)})
+    seen = []
+    real_step = llm.engine.step
+
+    def step():
+        before = {s.seq_id: len(s.block_table) for s in llm.engine.scheduler.running}
+        out = real_step()
+        for s in llm.engine.scheduler.running:
+            if s.seq_id in before and s.num_draft_tokens:
+                seen.append(len(s.block_table) - before[s.seq_id])
+        llm.engine.check_invariants()
+        return out
+
+    llm.engine.step = step
+    assert run(llm, ps) == reference
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert max(seen) >= 2  # a step's accepted tokens crossed two block boundaries
+
+
+def test_random_proposer_partial_acceptance_with_sampling(mimo_dir):
+    """Seeded sampling: the same tokens with and without speculation (per-position RNG)."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True,
+                            presence_penalty=0.5)  # fmt: skip
+    ps = prompts(4, seed=1)
+    ref = run(make_llm(mimo_dir), ps, params)
+    llm = make_llm(mimo_dir, speculative_method="ngram", num_speculative_tokens=4)
+    llm.engine.proposer = RandomProposer(4, Oracle(4, {tuple(p): c for p, c in zip(ps, ref)}))
+    assert run(llm, ps, params) == ref
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_stop_and_max_tokens_inside_accepted_drafts(mimo_dir, reference):
+    """Accepted drafts past a stop token or max_tokens are dropped; the stop string logic runs
+    per token."""
+    ps = prompts()
+    stop_tok = reference[0][7]
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True,
+                            stop_token_ids=[stop_tok])  # fmt: skip
+    want = run(make_llm(mimo_dir), ps, params)
+    llm = make_llm(mimo_dir, speculative_method="ngram", num_speculative_tokens=6)
+    llm.engine.proposer = Oracle(6, {tuple(p): c for p, c in zip(ps, reference)})
+    assert run(llm, ps, params) == want
+    assert want[0][-1] == stop_tok and all(len(w) <= 13 for w in want)
+
+
+def test_forced_acceptance_emits_the_drafts(mimo_dir):
+    """Benchmark switch: exactly f drafts accepted per step (the outputs are the drafts')."""
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
+                   spec_force_accept=2)  # fmt: skip
+    run(llm, prompts(2))
+    s = llm.engine.spec_stats
+    assert s.num_accepted_tokens == 2 * s.num_drafts
+
+
+# -- MTP drafts are exact -------------------------------------------------------------------------
+
+
+def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """MTP drafts for a sequence computed from scratch with plain causal attention (no paged KV):
+    entry i pairs the target hidden h_i with token t_{i+1}; a chained entry pairs the previous
+    entry's output with the draft it produced."""
+    mtp = model.mtp
+    with torch.inference_mode(), forward_context(None):
+        attn = [m for m in model.modules() if hasattr(m, "k_cache")]
+        saved = [(m.k_cache, m.v_cache) for m in attn]
+        for m in attn:
+            m.k_cache = m.v_cache = None
+        try:
+            n = len(tokens) - 1
+            ids = torch.tensor(tokens)
+            hidden = model(ids[:n], torch.arange(n))
+            if mtp.layout.normed_hidden:
+                hidden = model.model.norm(hidden)
+            ts, drafts = tokens[1:], []
+            for _ in range(k):
+                out = mtp(torch.tensor(ts), hidden, torch.arange(len(ts)), target_hidden=False)
+                drafts.append(int(mtp.compute_logits(out[-1:]).argmax(-1)))
+                ts.append(drafts[-1])
+                hidden = torch.cat([hidden, out[-1:]])
+            return drafts
+        finally:
+            for m, (kc, vc) in zip(attn, saved):
+                m.k_cache, m.v_cache = kc, vc
+
+
+@pytest.mark.parametrize("k,caching,budget", [(1, False, 8192), (3, True, 8192), (2, True, 8)])
+def test_mtp_drafts_equal_a_from_scratch_computation(mimo_dir, k, caching, budget):
+    """The paged MTP KV (chunked prefill, prefix hits keyed on the next token, rollback of
+    rejected slots, chained lookahead) gives the same drafts as recomputing from scratch."""
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=k,
+                   enable_prefix_caching=caching, max_num_batched_tokens=budget)  # fmt: skip
+    engine = llm.engine
+    for i, p in enumerate(prompts(4)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for s in engine.scheduler.running:
+            if s.draft_ids:
+                want = reference_drafts(engine.runner.model, s.token_ids, k)
+                assert s.draft_ids == want[: len(s.draft_ids)]
+                checked += 1
+    assert checked > 20
+    if caching:
+        assert engine.pool.trie.num_hit_tokens > 0

@@ -1,0 +1,87 @@
+"""Speculative decoding: draft proposers and the verification rule.
+
+A decoding row carries k drafts d_1..d_k (from the MTP head or prompt lookup) and the target runs
+its last token plus the drafts in one forward: k + 1 positions, each sampled like an ordinary
+decode position (same per-position RNG counter, penalties seeing the drafts before it). Row j's
+sample s_j is the target's token for the position after d_j. The row keeps d_1..d_a, where a is
+the longest prefix with s_j == d_{j+1}, plus s_a (the bonus token when a == k).
+
+That is rejection sampling with a point-mass draft q = delta(d): the draft is accepted with
+probability p(d) (s == d), and on rejection the emitted s is distributed as p restricted to the
+other tokens, i.e. normalize(max(p - q, 0)). Every emitted token is therefore distributed exactly
+as without speculation, and since s_j uses the same RNG counter as the non-speculative step at
+that position, seeded and greedy outputs are token-identical with speculation on or off.
+Both proposers here draft deterministically (argmax / lookup), which is what this rule needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Global acceptance counters (server metrics read them)."""
+
+    num_drafts: int = 0  # verify rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify row: accepted drafts + the target's own (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+    (n from max_n down to min_n) and propose the k tokens that followed it."""
+
+    def __init__(self, k: int, max_n: int = 4, min_n: int = 2) -> None:
+        self.k, self.max_n, self.min_n = k, max_n, min_n
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        size = len(tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            # Windows starting at 0..size-n-1 (the suffix itself excluded) that equal the suffix.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n  # the most recent match: edits repeat the nearest text
+                return tokens[start : start + self.k].tolist()
+        return []
+
+
+def accepted_counts(
+    sampled: torch.Tensor,
+    draft_next: torch.Tensor,
+    seg_ids: torch.Tensor,
+    seg_starts: torch.Tensor,
+    force: int | None = None,
+) -> torch.Tensor:
+    """Accepted drafts per sampled sequence, on the device (no sync).
+
+    sampled (R,): the target's token at each logits row; draft_next (R,): the draft proposed for
+    the position after each row (-1 where none, so a row's last logits row always mismatches);
+    seg_ids (R,): the sequence of each row; seg_starts (S,): its first row. `force` (benchmarks
+    only) accepts min(force, drafts) whatever the target says.
+    """
+    num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
+    rows = torch.arange(num_rows, device=sampled.device)
+    if force is not None:
+        stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence
+        last = torch.full((num_segs,), num_rows, device=sampled.device)
+        last = last.scatter_reduce(0, seg_ids, stop, "amin")
+        return torch.clamp(last - seg_starts, max=force)
+    miss = torch.where(sampled != draft_next, rows, num_rows)
+    first = torch.full((num_segs,), num_rows, device=sampled.device)
+    return first.scatter_reduce(0, seg_ids, miss, "amin") - seg_starts
