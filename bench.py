@@ -414,6 +414,12 @@ SHAPES = {  # published HF configs of the benchmark models, for dummy weights in
                      num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
                      rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    # XiaomiMiMo/MiMo-7B-RL: a Qwen2 body with one MTP layer
+    "mimo-7b": dict(architectures=["MiMoForCausalLM"], model_type="mimo", hidden_size=4096,
+                    intermediate_size=11008, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=151680, tie_word_embeddings=False,
+                    rope_theta=640000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                    num_nextn_predict_layers=1, attention_bias=True, torch_dtype="bfloat16"),
 }  # fmt: skip
 
 
@@ -671,6 +677,92 @@ def bench_e2e(args) -> dict:
     return res
 
 
+# -- speculative decoding ------------------------------------------------------------------------
+
+EDIT_TEXTS = [
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day and the fox was very hapy. "
+    "The dog did not care at all, it kept sleeping under the old oak tree near the river.",
+    "Our team will meet on monday at 10 am to discus the new budjet. Please bring your laptops "
+    "and the reports from last quarter, and send me any questions before the meeting.",
+    "def add(a, b):\n    retrun a + b\n\ndef mul(a, b):\n    return a * b\n\nprint(add(2, 3))\n"
+    "print(mul(4, 5))\n",
+    "Water boils at 100 degres Celsius at sea level. At higher altitudes the air presure is "
+    "lower, so water boils at a lower temperture and food takes longer to cook.",
+]
+
+
+def bench_spec(args) -> dict:
+    """CPU (default model): n-gram speculation on edit prompts (the answer repeats the prompt) at
+    batch 1 vs plain decode, outputs checked identical. GPU (--model mimo-7b): per batch size,
+    the step time of MTP speculation with acceptance forced to 0 vs plain decode (the overhead),
+    and tokens/s with acceptance forced to 0..k (the mechanism's ceiling)."""
+    from tinyserve import LLM
+
+    path, load_format = resolve_model(args.model)
+    if load_format == "auto":
+        return _spec_ngram_cpu(path, args)
+    import random
+
+    res = {"device": torch.cuda.get_device_name(), "model": args.model, "rows": []}
+    vocab = SHAPES[args.model]["vocab_size"]
+    rng = random.Random(0)
+    new = args.new_tokens
+    plain = {}
+    for k in [None, *args.spec_k]:
+        spec = dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}
+        llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=max(args.batches), **spec)
+        for b in args.batches:
+            prompts = [[rng.randrange(100, vocab - 100) for _ in range(32)] for _ in range(b)]
+            for f in range(k + 1) if k else [None]:
+                llm.engine.config.spec_force_accept = f
+                dt, n_out = _run_offline(llm, prompts, [new] * b)
+                steps = -(-new // (f + 1)) if k else new
+                r = {"batch": b, "k": k or 0, "forced_accept": f, "out_tok_per_s": n_out / dt,
+                     "step_ms": dt / steps * 1e3}  # fmt: skip
+                if not k:
+                    plain[b] = r
+                else:
+                    r["step_vs_plain"] = r["step_ms"] / plain[b]["step_ms"]
+                    r["tok_per_s_vs_plain"] = r["out_tok_per_s"] / plain[b]["out_tok_per_s"]
+                res["rows"].append(r)
+                print(r, flush=True)
+        del llm
+        _free_gpu()
+    return res
+
+
+def _spec_ngram_cpu(path: str, args) -> dict:
+    from tinyserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens)
+    msgs = [[{"role": "user", "content": "Fix the typos in this text and repeat it in full, "
+              f"changing nothing else.\n\n{t}"}] for t in EDIT_TEXTS]  # fmt: skip
+    res = {"device": "cpu", "model": path, "rows": []}
+    ref = None
+    for k in [None, *args.spec_k]:
+        spec = dict(speculative_method="ngram", num_speculative_tokens=k) if k else {}
+        llm = LLM(path, device="cpu", **spec)
+        llm.chat(msgs[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        t0, outs = time.perf_counter(), []
+        for m in msgs:  # batch 1: one request at a time
+            outs.append(llm.chat(m, params, use_tqdm=False)[0])
+        dt = time.perf_counter() - t0
+        ids = [o.outputs[0].token_ids for o in outs]
+        if ref is None:
+            ref = ids
+        r = {"batch": 1, "method": "ngram" if k else "off", "k": k or 0,
+             "out_tok_per_s": sum(map(len, ids)) / dt,
+             "identical_to_plain": ids == ref}  # fmt: skip
+        if k:
+            s = llm.engine.spec_stats
+            r["acceptance"] = s.num_accepted_tokens / max(1, s.num_draft_tokens)
+            r["mean_accepted_length"] = s.mean_accepted_length
+            r["speedup"] = r["out_tok_per_s"] / res["rows"][0]["out_tok_per_s"]
+        res["rows"].append(r)
+        print(r, flush=True)
+    return res
+
+
 # -- serve: an online client against a running `tinyserve run` (vLLM's metric definitions) -------
 # TTFT: request sent -> first chunk with text. ITL: gaps between successive text chunks, pooled
 # over requests. TPOT per request: (E2E latency - TTFT) / (output tokens - 1). Throughputs over
@@ -804,7 +896,14 @@ def _probe_health(url: str, hz: float, stop, out) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("workload", choices=["cpu", "kernels", "prefix", "e2e", "serve"])
+    p.add_argument("workload", choices=["cpu", "kernels", "prefix", "e2e", "serve", "spec"])
+    p.add_argument(
+        "--spec-k",
+        type=int,
+        nargs="+",
+        default=[1, 3],
+        help="spec: numbers of speculative tokens to run",
+    )
     p.add_argument(
         "--workloads",
         nargs="+",
@@ -835,7 +934,7 @@ def main() -> None:
     p.add_argument("--health-hz", type=float, default=20, help="serve: /health probe rate")
     args = p.parse_args()
     run = {"cpu": bench_cpu, "kernels": bench_kernels, "prefix": bench_prefix, "e2e": bench_e2e,
-           "serve": bench_serve}  # fmt: skip
+           "serve": bench_serve, "spec": bench_spec}  # fmt: skip
     run = run[args.workload]
     result = run(args)
     res = {"workload": args.workload, "commit": git_commit(), "machine": platform.processor()

@@ -154,13 +154,71 @@ def test_documented_skips(llama_dir, tmp_path):
         load(untied)
 
 
-def test_mtp_skip_is_only_for_mimo(llama_dir, tmp_path):
-    def add_mtp(t):
-        t["model.mtp_layers.0.input_layernorm.weight"] = torch.ones(64)
-        return t
+def mtp_tensors(layout: str, num_layers: int = 2) -> dict[str, torch.Tensor]:
+    """Random MTP tensors in a layout's checkpoint names (a Llama block per MTP layer)."""
+    g = torch.Generator().manual_seed(1)
+    block = transformers.models.llama.modeling_llama.LlamaDecoderLayer(
+        transformers.LlamaConfig(**SIZES), 0
+    ).state_dict()
+    H = SIZES["hidden_size"]
+    head = {"token": (H,), "hidden": (H,), "proj": (H, 2 * H), "final": (H,)}
+    names = {
+        "mimo": ("model.mtp_layers.{i}.", dict(token="token_layernorm", hidden="hidden_layernorm",
+                 proj="input_proj", final="final_layernorm")),
+        "deepseek": ("model.layers.{n}.", dict(token="enorm", hidden="hnorm", proj="eh_proj",
+                     final="shared_head.norm")),
+        "qwen3_next": ("mtp.layers.{i}.", dict(token="pre_fc_norm_embedding",
+                       hidden="pre_fc_norm_hidden", proj="fc", final="norm")),
+    }[layout]  # fmt: skip
+    out = {}
+    for i in range(num_layers):
+        prefix = names[0].format(i=i, n=SIZES["num_hidden_layers"] + i)
+        head_prefix = "mtp." if layout == "qwen3_next" else prefix
+        for part, shape in head.items():
+            if layout == "qwen3_next" and i > 0:
+                break  # one fc / norm pair for the whole stack
+            out[f"{head_prefix}{names[1][part]}.weight"] = torch.randn(shape, generator=g)
+        for name, t in block.items():
+            out[prefix + name] = torch.randn(t.shape, generator=g)
+        if layout == "deepseek":  # the layer's copies of the shared embedding and head
+            out[prefix + "embed_tokens.weight"] = torch.zeros(SIZES["vocab_size"], H)
+            out[prefix + "shared_head.head.weight"] = torch.zeros(SIZES["vocab_size"], H)
+    return out
 
-    with pytest.raises(CheckpointError, match="model.mtp_layers.0.input_layernorm.weight"):
-        load(rewrite(llama_dir, tmp_path, add_mtp))
+
+@pytest.mark.parametrize("layout", ["mimo", "deepseek", "qwen3_next"])
+def test_mtp_layouts_load_onto_one_module(llama_dir, tmp_path, layout):
+    extra = mtp_tensors(layout)
+    config = rewrite(llama_dir, tmp_path, lambda t: t | extra, {"num_nextn_predict_layers": 2})
+    plain = load(config)  # not drafting: the MTP tensors are skipped, nothing else changes
+    assert plain.mtp is None
+    model = load(config, with_mtp=True)
+    assert model.mtp.layout.hidden_first == (layout == "mimo")
+    layer = model.mtp.layer
+    key = {"mimo": "model.mtp_layers.0.", "deepseek": "model.layers.2.", "qwen3_next": "mtp."}
+    fc = {"mimo": "input_proj", "deepseek": "eh_proj", "qwen3_next": "fc"}[layout]
+    assert torch.equal(layer.proj.weight, extra[key[layout] + fc + ".weight"])
+    block = "mtp.layers.0." if layout == "qwen3_next" else key[layout]
+    q, k = extra[block + "self_attn.q_proj.weight"], extra[block + "self_attn.k_proj.weight"]
+    assert torch.equal(layer.block.self_attn.qkv_proj.weight[: q.shape[0] + k.shape[0]],
+                       torch.cat([q, k]))  # fmt: skip
+    norm = {"mimo": "token_layernorm", "deepseek": "enorm",
+            "qwen3_next": "pre_fc_norm_embedding"}[layout]  # fmt: skip
+    shift = 1.0 if layout == "qwen3_next" else 0.0  # zero-centred: stored w means (1 + w)
+    assert torch.equal(layer.token_norm.weight, extra[key[layout] + norm + ".weight"] + shift)
+    ln = layer.block.input_layernorm.weight
+    assert torch.equal(ln, extra[block + "input_layernorm.weight"] + shift)
+
+
+def test_mtp_errors_name_the_problem(llama_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="no MTP weights"):
+        load(rewrite(llama_dir, tmp_path, lambda t: t, {"num_nextn_predict_layers": 1}),
+             with_mtp=True)  # fmt: skip
+    partial = mtp_tensors("mimo", 1)
+    del partial["model.mtp_layers.0.final_layernorm.weight"]
+    config = rewrite(llama_dir, tmp_path, lambda t: t | partial, {"num_nextn_predict_layers": 1})
+    with pytest.raises(CheckpointError, match="mtp.layer.final_norm.weight"):
+        load(config, with_mtp=True)
 
 
 def test_dummy_weights_are_seeded_and_finite(llama_dir):

@@ -41,6 +41,10 @@ def engine_options(f):
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
                      show_default=True, help="Reuse the KV of committed prompt/answer prefixes."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
+        click.option("--speculative-method", type=click.Choice(["mtp", "ngram"]), default=None,
+                     help="Speculative decoding: the checkpoint's MTP head, or prompt lookup."),
+        click.option("--num-speculative-tokens", type=int, default=None,
+                     help="Drafts per step (k); required with --speculative-method."),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)
@@ -49,7 +53,8 @@ def engine_options(f):
 
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
-    "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager"
+    "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager "
+    "speculative_method num_speculative_tokens"
 ).split()
 
 

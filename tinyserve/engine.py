@@ -285,6 +285,8 @@ class LLMEngine:
         )
         d.finished = req.is_finished
         d.num_cached_tokens = min(s.num_cached_tokens for s in req.seqs)
+        d.num_draft_tokens = sum(s.num_draft_tokens for s in req.seqs)
+        d.num_accepted_tokens = sum(s.num_accepted_tokens for s in req.seqs)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

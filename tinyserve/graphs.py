@@ -53,6 +53,7 @@ class DecodeGraphs:
         )
         self.max_len = max_blocks_per_seq * block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (hidden, logits)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             md = self._metadata(bs)
@@ -106,5 +107,6 @@ class DecodeGraphs:
         # and only up to context_lens, so they are harmless.
         self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
         self.graphs[bs].replay()
+        self.num_replays += 1
         hidden, logits = self.outputs[bs]
         return hidden[: b * q], logits[: b * q]

@@ -2,7 +2,8 @@
 
 Counters and histograms are fed by the server as requests move; gauges (running, waiting, KV
 usage) are read from the engine at scrape time. Names follow vLLM's (`vllm:` -> `tinyserve:`).
-Speculative-decoding acceptance metrics are left out until speculative decoding exists.
+With speculative decoding on, `spec_decode_*` counters report drafts, drafted and accepted tokens
+and the mean accepted length (tokens per verify row, the bonus token included), as vLLM's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from tinyserve.engine import LLMEngine
@@ -27,6 +29,30 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 prometheus_client.disable_created_metrics()  # no `*_created` series (as vLLM)
+
+
+class _SpecCollector:
+    """Reads the engine's acceptance counters at scrape time (they only grow)."""
+
+    COUNTERS = (
+        ("num_drafts", "Verify rows that carried drafts."),
+        ("num_draft_tokens", "Draft tokens proposed."),
+        ("num_accepted_tokens", "Draft tokens accepted."),
+    )
+
+    def __init__(self, engine: LLMEngine, values: list[str]) -> None:
+        self.stats, self.values = engine.spec_stats, values
+
+    def collect(self):
+        for name, doc in self.COUNTERS:
+            c = CounterMetricFamily(f"tinyserve:spec_decode_{name}", doc, labels=["model_name"])
+            c.add_metric(self.values, getattr(self.stats, name))
+            yield c
+        name = "tinyserve:spec_decode_mean_accepted_length"
+        doc = "Tokens per verify row (accepted drafts + 1)."
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric(self.values, self.stats.mean_accepted_length)
+        yield g
 
 
 @dataclass(slots=True)
@@ -68,6 +94,8 @@ class ServerMetrics:
         gauge("num_requests_waiting", "Sequences not yet scheduled.", lambda: len(sched.waiting))
         gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", lambda: pool.usage)
         gauge("num_preemptions", "Preemptions so far (recompute).", lambda: sched.num_preemptions)
+        if engine.config.speculative_method is not None:
+            reg.register(_SpecCollector(engine, values))
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         ).labels(*values)

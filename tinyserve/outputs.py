@@ -34,6 +34,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # Speculative decoding, over the request's sequences so far: drafts proposed / accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a step's delta into this cumulative output."""
@@ -51,3 +54,5 @@ class RequestOutput:
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_draft_tokens = delta.num_draft_tokens
+        self.num_accepted_tokens = delta.num_accepted_tokens
