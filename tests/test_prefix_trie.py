@@ -260,6 +260,7 @@ def test_same_prefix_admitted_together_is_computed_once():
     seqs[0].num_kv_computed += batch.num_new_tokens[0]
     pool.commit(seqs[0])
     seqs[0].token_ids.append(1)
+    sched.finish(seqs[0], "length")  # max_tokens=1: done, as the engine would say
     drain(sched, runner)
     assert [s.num_cached_tokens for s in seqs] == [0, 20, 20, 20]
     assert pool.trie.num_hit_tokens == 60

@@ -41,6 +41,8 @@ def engine_options(f):
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
                      show_default=True, help="Reuse the KV of committed prompt/answer prefixes."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
+        click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+                     help="Overlap: launch step N+1 while step N's tokens are read back."),
         click.option("--speculative-method", type=click.Choice(["mtp", "ngram"]), default=None,
                      help="Speculative decoding: the checkpoint's MTP head, or prompt lookup."),
         click.option("--num-speculative-tokens", type=int, default=None,
@@ -54,7 +56,7 @@ def engine_options(f):
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
     "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager "
-    "speculative_method num_speculative_tokens"
+    "async_scheduling speculative_method num_speculative_tokens"
 ).split()
 
 

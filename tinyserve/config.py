@@ -210,6 +210,9 @@ class EngineConfig:
     device: str | None = None  # None = "cuda" if available else "cpu"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (debugging, and the graphs-off test)
+    # The overlapped step loop: step N+1 is launched before step N's tokens reach the host
+    # (off, or automatically per step with speculation or penalties: one step at a time).
+    async_scheduling: bool = True
     speculative_method: str | None = None  # None (off), "mtp" or "ngram"
     num_speculative_tokens: int | None = None  # k drafts per step; required with a method
     # Benchmark-only: accept exactly this many drafts per step whatever the target says (outputs

@@ -19,14 +19,29 @@ import torch
 from tinyserve.block_pool import BlockPool
 from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.outputs import CompletionOutput, RequestOutput
-from tinyserve.runner import ModelRunner
+from tinyserve.runner import ModelRunner, PendingStep
 from tinyserve.sampling import InvalidParameter, SamplingParams, SamplingRow
-from tinyserve.scheduler import Scheduler
-from tinyserve.sequence import Sequence
+from tinyserve.scheduler import ScheduledBatch, Scheduler
+from tinyserve.sequence import PLACEHOLDER, Sequence
 from tinyserve.spec_decode import NgramProposer, SpecStats
 from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _SEED_MASK = (1 << 63) - 1
+
+
+def _needs_token_values(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched step awaiting post-processing."""
+
+    batch: ScheduledBatch
+    sampled: list[int]  # batch rows that sample
+    pending: PendingStep
+    # Overlapped loop: batch row -> index of its PLACEHOLDER in token_ids (None: synchronous).
+    positions: dict[int, int] | None
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +109,7 @@ class LLMEngine:
         # Host-side drafters (n-gram; tests plug in others); MTP drafts come from the runner.
         self.proposer = NgramProposer(k) if config.speculative_method == "ngram" else None
         self.spec_stats = SpecStats()
+        self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
         self._new: deque[Request] = deque()
         self._aborted: deque[str] = deque()
@@ -188,37 +204,87 @@ class LLMEngine:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "abort")
                         self._delta(deltas, req, seq, [], "")
-        # 2) schedule, 3) run the forward and sample
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-            rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
-            outs = iter(self.runner.execute(batch, rows))
-            # 4) post-process: append verified tokens, stop checks, detokenize, commit, free
-            for i, (seq, num) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-                if not batch.samples(i):
-                    seq.num_kv_computed += num
-                    self.pool.commit(seq)  # full blocks of final tokens enter the trie
-                    continue
-                out = next(outs)
-                num_drafts = len(seq.draft_ids)
-                if num_drafts:
-                    self.spec_stats.record(num_drafts, len(out.tokens) - 1)
-                    seq.num_draft_tokens += num_drafts
-                    seq.num_accepted_tokens += len(out.tokens) - 1
-                reason, delta = self._append_tokens(seq, out.tokens)
-                # Every token but the last now has KV (rejected drafts' slots are garbage).
-                seq.num_kv_computed = seq.num_tokens - 1
-                self.pool.commit(seq)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                else:
-                    self.pool.trim(seq)  # release the lookahead slots past the verified tokens
-                    seq.draft_ids = self._drafts(seq, out.draft_ids)
-                self._delta(deltas, self.requests[seq.request_id], seq, *delta)
+        if self._can_overlap():
+            # 2) schedule N+1 and 3) launch it before N's tokens are on the host (its inputs
+            # come from N's sampled ids on the device); 4) post-process N meanwhile.
+            batch = self.scheduler.schedule()
+            launched = self._launch(batch, overlap=True) if batch is not None else None
+            if self._in_flight is not None:
+                self._post_process(self._in_flight, deltas)
+            self._in_flight = launched
+        else:
+            if self._in_flight is not None:  # leaving the overlapped loop: drain it first
+                self._post_process(self._in_flight, deltas)
+                self._in_flight = None
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                self._post_process(self._launch(batch, overlap=False), deltas)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
             del self.requests[rid]
         return list(deltas.values())
+
+    def _can_overlap(self) -> bool:
+        """The overlapped loop needs every next input computable on the device: not with
+        speculation (drafts depend on what was accepted) nor penalties (they count tokens)."""
+        if not self.config.async_scheduling or self.num_speculative_tokens:
+            return False
+        seqs = self.scheduler.running + list(self.scheduler.waiting)
+        return not any(_needs_token_values(s.params) for s in seqs)
+
+    def _launch(self, batch: ScheduledBatch, overlap: bool) -> InFlight:
+        sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
+        prev = self._in_flight.pending if overlap and self._in_flight else None
+        pending = self.runner.launch(batch, rows, prev)
+        positions = None
+        if overlap:  # advance now: the next schedule must see this step's tokens as computed
+            positions = {}
+            for seq, num in zip(batch.seqs, batch.num_new_tokens):
+                seq.num_kv_computed += num
+            for i, row in zip(sampled, pending.seg_starts):
+                seq = batch.seqs[i]
+                positions[i] = len(seq.token_ids)
+                seq.token_ids.append(PLACEHOLDER)
+                seq.pending_row = row
+        return InFlight(batch, sampled, pending, positions)
+
+    def _post_process(self, step: InFlight, deltas: dict) -> None:
+        """Verified tokens in, stop checks, detokenize, commit full blocks, free; drafts."""
+        outs = iter(step.pending.result())
+        sampled = set(step.sampled)
+        for i, (seq, num) in enumerate(zip(step.batch.seqs, step.batch.num_new_tokens)):
+            out = next(outs) if i in sampled else None
+            if seq.is_finished:
+                continue  # aborted, or stopped one step earlier (overlap): drop its results
+            if out is None:
+                if step.positions is None:
+                    seq.num_kv_computed += num
+                self.pool.commit(seq)  # full blocks of final tokens enter the trie
+                continue
+            later: list[int] = []
+            if step.positions is not None:  # overlap: the placeholder, and any after it
+                pos = step.positions[i]
+                later = seq.token_ids[pos + 1 :]
+                del seq.token_ids[pos:]
+                seq.pending_row = None if not later else seq.pending_row
+            num_drafts = len(seq.draft_ids)
+            if num_drafts:
+                self.spec_stats.record(num_drafts, len(out.tokens) - 1)
+                seq.num_draft_tokens += num_drafts
+                seq.num_accepted_tokens += len(out.tokens) - 1
+            reason, delta = self._append_tokens(seq, out.tokens)
+            if step.positions is None:
+                # Every token but the last now has KV (rejected drafts' slots are garbage).
+                seq.num_kv_computed = seq.num_tokens - 1
+            elif reason is None:
+                seq.token_ids += later  # the next step's placeholder goes back after it
+            self.pool.commit(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            else:
+                self.pool.trim(seq)  # release the lookahead slots past the verified tokens
+                seq.draft_ids = self._drafts(seq, out.draft_ids)
+            self._delta(deltas, self.requests[seq.request_id], seq, *delta)
 
     def _drafts(self, seq: Sequence, mtp_drafts: list[int]) -> list[int]:
         """Next step's drafts, cut so that the step cannot pass max_tokens or max_model_len."""
@@ -236,7 +302,7 @@ class LLMEngine:
         p = seq.params
         drafts = seq.draft_ids
         # Copying token lists every step costs O(context) per row: only penalties need them.
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if _needs_token_values(p):
             out = seq.output_ids
             return [SamplingRow(p, seq.seed, seq.prompt_ids, out + drafts[:j])
                     for j in range(len(drafts) + 1)]  # fmt: skip

@@ -44,6 +44,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n * q,), self.scratch_slot, dtype=torch.long, device=dev)
         self.context_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
+        # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
+        # its memory handed to other tensors while the graph still reads that address.
+        self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev
         )
@@ -73,7 +76,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[: bs * q],
             block_tables=self.block_tables[:bs],
-            cu_seqlens_q=torch.arange(0, bs * q + 1, q, dtype=torch.int32, device=dev),
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             context_lens=self.context_lens[:bs],
             query_lens_cpu=[q] * bs,
             context_lens_cpu=[],  # unknown at capture: the kernels read the device copy

@@ -17,6 +17,7 @@ from tinyserve.layers.attention import Attention, AttentionMetadata, forward_con
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
+from tinyserve.sequence import PLACEHOLDER
 from tinyserve.spec_decode import accepted_counts
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
@@ -54,6 +55,51 @@ class StepInputs:
     kv_limits: torch.Tensor  # (S,) KV slots owned by each sampling sequence
     max_kv_limit: int
     sample_rows: torch.Tensor  # (S,) batch row of each sampling sequence
+    pending: tuple[torch.Tensor, torch.Tensor] | None  # (batch positions, previous rows)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+class PendingStep:
+    """A launched step: its sampled ids on the device (the next step's inputs) and pinned host
+    copies of its results, readable once `event` has passed."""
+
+    def __init__(self, seg_starts: list[int], rows: list[SamplingRow],
+                 sampled: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.seg_starts, self.rows, self.sampled = seg_starts, rows, sampled
+        self.host: list[torch.Tensor | None] = []
+        self.event: torch.cuda.Event | None = None
+
+    def result(self) -> list[SeqOutput]:
+        """Per sampling sequence: its accepted drafts and token, and the MTP drafts."""
+        if not self.seg_starts:
+            return []
+        if self.event is not None:
+            # NOTE: the one host sync of a step, in the engine's worker thread (never the loop).
+            self.event.synchronize()
+        tokens, accepted, drafts, logprobs, top_ids, top_lps = (
+            t.tolist() if t is not None else None for t in self.host
+        )
+        num = len(self.seg_starts)
+        accepted = accepted or [0] * num
+        drafts = drafts or [[]] * num
+        outs = []
+        for first, n, drafted in zip(self.seg_starts, accepted, drafts):
+            row_outs = []
+            for r in range(first, first + n + 1):
+                out = RowOutput(tokens[r])
+                k = self.rows[r].params.logprobs
+                if k is not None and logprobs is not None:
+                    out.logprob = logprobs[r]
+                    out.top_logprobs = list(zip(top_ids[r][:k], top_lps[r][:k])) if top_ids else []
+                row_outs.append(out)
+            outs.append(SeqOutput(row_outs, drafted))
+        return outs
 
 
 def _lengths(starts: list[int], total: int) -> list[int]:
@@ -137,11 +183,19 @@ class ModelRunner:
         logits_idx: list[int] = []
         draft_next: list[int] = []  # per logits row: the draft for the position after it, or -1
         seg_starts: list[int] = []  # per sampled sequence: its first logits row
+        dst: list[int] = []  # batch positions whose token is a placeholder ...
+        src: list[int] = []  # ... and the previous step's sampled row holding it
         for seq, num in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_kv_computed, seq.num_kv_computed + num
             drafts = seq.draft_ids
             tokens = seq.token_ids + drafts if drafts else seq.token_ids
-            input_ids += tokens[start:end]
+            chunk = tokens[start:end]
+            if seq.pending_row is not None and PLACEHOLDER in chunk:
+                j = chunk.index(PLACEHOLDER)
+                dst.append(len(input_ids) + j)
+                src.append(seq.pending_row)
+                chunk = chunk[:j] + [0] + chunk[j + 1 :]
+            input_ids += chunk
             if self.mtp is not None:
                 following = tokens[start + 1 : end + 1]
                 next_ids += following + [0] * (num - len(following))  # sampled ones: on device
@@ -205,6 +259,7 @@ class ModelRunner:
             kv_limits=t(limits),
             max_kv_limit=max(limits, default=0),
             sample_rows=t([i for i in range(len(batch.seqs)) if batch.samples(i)]),
+            pending=(t(dst), t(src)) if dst else None,
         )
 
     def _forward(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -221,7 +276,6 @@ class ModelRunner:
         with forward_context(md):
             return self.model(x.input_ids, x.positions), None
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> list[SeqOutput]:
         """Forward the batch and sample every logits row; returns, per sequence that samples
         (in batch order), its verified tokens and the MTP head's drafts for the next step.
@@ -229,12 +283,26 @@ class ModelRunner:
         `rows` holds the sampling state of each logits row: one per sampling sequence, plus
         one per draft of a speculative row.
         """
+        return self.launch(batch, rows).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, rows: list[SamplingRow],
+               prev: PendingStep | None = None) -> PendingStep:  # fmt: skip
+        """Enqueue the step on the device and return at once; `result()` waits for it.
+
+        Token ids still PLACEHOLDER on the host (sampled by `prev`, not read back yet) are
+        taken from `prev`'s sampled ids on the device (`seq.pending_row`), so this step can be
+        launched before the previous one finished.
+        """
         x = self._prepare(batch)
+        if x.pending is not None:  # the overlapped loop: inputs sampled by the previous step
+            dst, src = x.pending
+            x.input_ids[dst] = prev.sampled[src]
         hidden, all_logits = self._forward(x)
         if not x.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
             if self.mtp is not None:
                 self._mtp_first_pass(x, hidden, x.next_ids)  # the MTP layer's KV only
-            return []
+            return PendingStep([], rows)
         if all_logits is not None:
             logits = all_logits if len(x.logits_idx) == len(x.input_ids) else all_logits[x.idx]
         else:
@@ -243,38 +311,24 @@ class ModelRunner:
         self._mask_stop_tokens(logits, rows)
         result = sample(logits, SamplingTensors.build(rows, logits.shape[-1], self.device))
         sampled = result.token_ids
-        num_seqs = len(x.seg_starts)
         if x.draft_next is not None:
             force = self.config.spec_force_accept
             accepted = accepted_counts(sampled, x.draft_next, x.seg_ids, x.seg_starts_dev, force)
             if force is not None:  # benchmarks: the forced drafts become the emitted tokens
                 sampled = torch.where(x.draft_next >= 0, x.draft_next, sampled)
         else:
-            accepted = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
+            accepted = None
         drafts = None
         if self.mtp is not None:
             drafts = self._mtp_drafts(x, hidden, sampled, accepted)
-        # NOTE: the one host sync of a step.
-        token_ids = sampled.tolist()
-        num_accepted = accepted.tolist()
-        draft_ids = drafts.tolist() if drafts is not None else [[]] * num_seqs
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-        tops = None
-        if result.top_ids is not None:
-            tops = list(zip(result.top_ids.tolist(), result.top_logprobs.tolist()))
-        outs = []
-        for first, num, drafted in zip(x.seg_starts, num_accepted, draft_ids):
-            tokens = []
-            for r in range(first, first + num + 1):
-                out = RowOutput(token_ids[r])
-                p = rows[r].params
-                if p.logprobs is not None and logprobs is not None:
-                    out.logprob = logprobs[r]
-                    k = p.logprobs
-                    out.top_logprobs = list(zip(tops[r][0][:k], tops[r][1][:k])) if tops else []
-                tokens.append(out)
-            outs.append(SeqOutput(tokens, drafted))
-        return outs
+        step = PendingStep(x.seg_starts, rows, sampled)
+        # Device -> pinned host copies, then an event: `result()` waits on that event only.
+        step.host = [_to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
+                                           result.top_ids, result.top_logprobs)]  # fmt: skip
+        if self.device.type == "cuda":
+            step.event = torch.cuda.Event()
+            step.event.record()
+        return step
 
     def _mtp_first_pass(self, x: StepInputs, hidden: torch.Tensor, next_ids: torch.Tensor):
         """MTP layer 0 over every token of the step, at the target's positions and slots: writes
@@ -290,7 +344,9 @@ class ModelRunner:
         KV into the row's lookahead slots (rewritten once the target verifies them)."""
         next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
         out = self._mtp_first_pass(x, hidden, next_ids)
-        chosen = x.idx[x.seg_starts_dev] + accepted  # token index of the last verified position
+        chosen = x.idx[x.seg_starts_dev]  # token index of the last verified position
+        if accepted is not None:
+            chosen = chosen + accepted
         h = out[chosen]
         token = self.mtp.compute_logits(h).argmax(-1)
         drafts = [token]
@@ -335,7 +391,9 @@ class ModelRunner:
                 r += [i] * len(ids)
                 c += sorted(ids)
         if r:
-            logits[torch.tensor(r), torch.tensor(c)] = float("-inf")
+            idx = torch.tensor([r, c], pin_memory=self.device.type == "cuda")
+            idx = idx.to(self.device, non_blocking=True)  # pageable -> device would sync
+            logits[idx[0], idx[1]] = float("-inf")
 
     @property
     def eos_ids(self) -> list[int]:

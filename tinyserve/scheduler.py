@@ -80,8 +80,10 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self._batch: list[Sequence] = []
         self._nums: list[int] = []
-        decoding = [s for s in self.running if s.num_uncomputed == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        # A sequence at its length limit is done; the overlapped loop learns it a step late.
+        live = [s for s in self.running if not self._exhausted(s)]
+        decoding = [s for s in live if s.num_uncomputed == 1]
+        prefilling = [s for s in live if s.num_uncomputed > 1]
         long = [s for s in prefilling if s.num_uncomputed > self.long_prefill_tokens]
         starved = [s for s in long if self.num_steps - s.last_scheduled_step > AGING_STEPS]
         # 1) decode rows, 2) short and starved prefills
@@ -155,6 +157,9 @@ class Scheduler:
             and other.token_ids[:end] == head
             for other in self.running
         )
+
+    def _exhausted(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _lookahead(self, seq: Sequence, num: int) -> int:
         """Extra KV slots of a row that samples (the MTP chain's), never past the position

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from tinyserve.sampling import SamplingParams
 
+# A token sampled by the step in flight, not read back yet (the overlapped step loop): the next
+# step takes its value from the device, the engine fills it in when the results arrive.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -44,6 +48,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    pending_row: int | None = None  # the in-flight step's sampled row of its PLACEHOLDER
     num_preemptions: int = 0
     last_scheduled_step: int = 0  # for aging: long prefills are not starved forever
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
