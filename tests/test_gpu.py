@@ -111,3 +111,38 @@ def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
                 assert llm.engine.runner.verify_graphs.num_replays > 10
             del llm
             torch.cuda.empty_cache()
+
+
+def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path):
+    """Steady-state overlapped steps run under set_sync_debug_mode('error') (any implicit
+    device sync raises), and give the tokens of the synchronous loop."""
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=4096)
+    prompts = [[(11 * i + 3 * j) % 3000 + 50 for j in range(8 + 3 * i)] for i in range(8)]
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=40,
+                             ignore_eos=True, logprobs=1 if i == 3 else None)
+              for i in range(8)]  # fmt: skip
+    outs = []
+    for overlap in (True, False):
+        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, async_scheduling=overlap,
+                  gpu_memory_utilization=0.5)  # fmt: skip
+        engine = llm.engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        got: dict[str, list[int]] = {}
+        for n in range(200):
+            if not engine.has_unfinished():
+                break
+            strict = overlap and 3 <= n < 30  # after prefill and warm-up, before the ends
+            torch.cuda.set_sync_debug_mode("error" if strict else "default")
+            try:
+                deltas = engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for d in deltas:
+                got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+        assert not engine.has_unfinished()
+        engine.check_invariants()
+        outs.append(got)
+        del llm, engine
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
