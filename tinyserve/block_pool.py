@@ -72,7 +72,9 @@ class BlockPool:
 
     def may_append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Allocate every block that `num_new_tokens` more tokens cross (n = k + 1 for spec)."""
-        seq.block_table.extend(self.allocate(self.num_new_blocks(seq, num_new_tokens)))
+        num = self.num_new_blocks(seq, num_new_tokens)
+        if num:
+            seq.block_table.extend(self.allocate(num))
         seq.kv_token_limit = seq.num_kv_computed + num_new_tokens
 
     def trim(self, seq: Sequence) -> None:

@@ -281,7 +281,7 @@ class LLMEngine:
             self.pool.commit(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            else:
+            elif self.num_speculative_tokens:
                 self.pool.trim(seq)  # release the lookahead slots past the verified tokens
                 seq.draft_ids = self._drafts(seq, out.draft_ids)
             self._delta(deltas, self.requests[seq.request_id], seq, *delta)
@@ -349,10 +349,19 @@ class LLMEngine:
         d.outputs.append(
             CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
         )
+        seqs = req.seqs
+        if len(seqs) == 1:  # the common case, without generator overhead (called per token)
+            d.finished = seq.is_finished
+            d.num_cached_tokens = seq.num_cached_tokens
+            d.num_draft_tokens, d.num_accepted_tokens = (
+                seq.num_draft_tokens,
+                seq.num_accepted_tokens,
+            )
+            return
         d.finished = req.is_finished
-        d.num_cached_tokens = min(s.num_cached_tokens for s in req.seqs)
-        d.num_draft_tokens = sum(s.num_draft_tokens for s in req.seqs)
-        d.num_accepted_tokens = sum(s.num_accepted_tokens for s in req.seqs)
+        d.num_cached_tokens = min(s.num_cached_tokens for s in seqs)
+        d.num_draft_tokens = sum(s.num_draft_tokens for s in seqs)
+        d.num_accepted_tokens = sum(s.num_accepted_tokens for s in seqs)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

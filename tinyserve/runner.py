@@ -185,9 +185,30 @@ class ModelRunner:
         seg_starts: list[int] = []  # per sampled sequence: its first logits row
         dst: list[int] = []  # batch positions whose token is a placeholder ...
         src: list[int] = []  # ... and the previous step's sampled row holding it
-        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+        limits: list[int] = []  # per sampled sequence: KV slots it owns
+        sample_rows: list[int] = []  # per sampled sequence: its batch row
+        for row, (seq, num) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_kv_computed, seq.num_kv_computed + num
             drafts = seq.draft_ids
+            if num == 1 and not drafts and self.mtp is None and end == seq.num_tokens:
+                # The common decode row, without the general path's slicing (host time per
+                # step grows with the batch: this loop runs for every running sequence).
+                tok = seq.token_ids[start]
+                if tok == PLACEHOLDER:
+                    dst.append(len(input_ids))
+                    src.append(seq.pending_row)
+                    tok = 0
+                input_ids.append(tok)
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+                cu_q.append(cu_q[-1] + 1)
+                ctx_lens.append(end)
+                seg_starts.append(len(logits_idx))
+                logits_idx.append(cu_q[-1] - 1)
+                draft_next.append(-1)
+                limits.append(seq.kv_token_limit)
+                sample_rows.append(row)
+                continue
             tokens = seq.token_ids + drafts if drafts else seq.token_ids
             chunk = tokens[start:end]
             if seq.pending_row is not None and PLACEHOLDER in chunk:
@@ -210,6 +231,8 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + num)
             ctx_lens.append(end)
             if end >= seq.num_tokens:  # samples: the last known token, then each draft
+                limits.append(seq.kv_token_limit)
+                sample_rows.append(row)
                 seg_starts.append(len(logits_idx))
                 n = end - seq.num_tokens + 1
                 logits_idx += range(cu_q[-1] - n, cu_q[-1])
@@ -243,7 +266,6 @@ class ModelRunner:
                 self.max_blocks_per_seq * self.block_size, dev,
             )  # fmt: skip
         spec = len(draft_next) > len(seg_starts)  # some row carries drafts
-        limits = [s.kv_token_limit for i, s in enumerate(batch.seqs) if batch.samples(i)]
         seg_ids = [s for s, n in enumerate(_lengths(seg_starts, len(logits_idx))) for _ in range(n)]
         return StepInputs(
             input_ids=t(input_ids),
@@ -258,7 +280,7 @@ class ModelRunner:
             seg_ids=t(seg_ids) if spec else None,
             kv_limits=t(limits),
             max_kv_limit=max(limits, default=0),
-            sample_rows=t([i for i in range(len(batch.seqs)) if batch.samples(i)]),
+            sample_rows=t(sample_rows),
             pending=(t(dst), t(src)) if dst else None,
         )
 

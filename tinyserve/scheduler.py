@@ -106,9 +106,13 @@ class Scheduler:
     def _schedule_running(self, seq: Sequence) -> None:
         if self._budget == 0 or seq.status is not SequenceStatus.RUNNING:
             return  # out of budget, or preempted earlier in this step
-        num = min(seq.num_uncomputed + len(seq.draft_ids), self._budget)
-        del seq.draft_ids[max(0, num - seq.num_uncomputed) :]  # a short budget cuts drafts
-        extra = self._lookahead(seq, num)
+        uncomputed = seq.num_uncomputed
+        if uncomputed == 1 and not seq.draft_ids and not self.spec_lookahead:
+            num, extra = 1, 0  # the common decode row
+        else:
+            num = min(uncomputed + len(seq.draft_ids), self._budget)
+            del seq.draft_ids[max(0, num - uncomputed) :]  # a short budget cuts drafts
+            extra = self._lookahead(seq, num)
         while not self.pool.can_append(seq, num + extra):
             victim = self._pick_victim()
             self._preempt(victim)
