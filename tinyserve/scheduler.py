@@ -84,6 +84,7 @@ class Scheduler:
         live = [s for s in self.running if not self._exhausted(s)]
         decoding = [s for s in live if s.num_uncomputed == 1]
         prefilling = [s for s in live if s.num_uncomputed > 1]
+        self._prefilling = prefilling  # in-flight checks of admissions scan these only
         long = [s for s in prefilling if s.num_uncomputed > self.long_prefill_tokens]
         starved = [s for s in long if self.num_steps - s.last_scheduled_step > AGING_STEPS]
         # 1) decode rows, 2) short and starved prefills
@@ -141,6 +142,7 @@ class Scheduler:
                 self.pool.trie.num_hit_tokens += matched
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._prefilling.append(seq)  # later admissions of this step may wait for its blocks
         self._take(seq, num, extra)
         return True
 
@@ -159,7 +161,7 @@ class Scheduler:
             and other.cache_salt == seq.cache_salt
             and other.mm_spans == seq.mm_spans
             and other.token_ids[:end] == head
-            for other in self.running
+            for other in self._prefilling
         )
 
     def _exhausted(self, seq: Sequence) -> bool:

@@ -375,5 +375,8 @@ async def serve(
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        # A repeated SIGTERM during the rest of the shutdown (cleanup, interpreter exit) must not
+        # turn a clean exit into a kill; SIGINT keeps its default so Ctrl-C can still force it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         await runner.cleanup()
         await engine.close()
