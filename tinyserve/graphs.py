@@ -91,6 +91,49 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:n], self.positions[:n])
         return hidden, self.model.compute_logits(hidden)
 
+    def capture_drafts(self, draft_tokens) -> None:
+        """Capture `draft_tokens` (the runner's MTP drafting) per padded batch size, reading this
+        graph set's static inputs and outputs, so a verify step drafts without eager launches.
+        Padded rows own no KV slots (limit 0): their chained drafts write the scratch slot."""
+        n, q, dev = self.sizes[-1], self.query_len, self.input_ids.device
+        self.next_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        self.limits = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seg_starts = torch.arange(0, n * q, q, device=dev)
+        self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = self.pool
+        for bs in reversed(self.sizes):
+            md = self._metadata(bs)
+
+            def run(bs=bs, md=md) -> torch.Tensor:
+                chosen = self.seg_starts[:bs] + self.accepted[:bs]
+                return draft_tokens(md, self.positions[: bs * q], self.outputs[bs][0],
+                                    self.next_ids[: bs * q], chosen, self.block_tables[:bs],
+                                    self.limits[:bs], None)  # fmt: skip
+
+            run()  # warm-up outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run()
+            pool = graph.pool()
+            self.draft_graphs[bs] = (graph, out)
+        self.pool = pool
+
+    def draft(self, next_ids, accepted, limits) -> torch.Tensor:
+        """Replay the drafting graph of the last `run`'s batch: (B, k) drafts."""
+        b, q = accepted.shape[0], self.query_len
+        bs = next(s for s in self.sizes if s >= b)
+        self.next_ids[: b * q].copy_(next_ids)
+        self.next_ids[b * q : bs * q].zero_()
+        self.accepted[:b].copy_(accepted)
+        self.accepted[b:bs].zero_()
+        self.limits[:b].copy_(limits)
+        self.limits[b:bs].zero_()
+        graph, out = self.draft_graphs[bs]
+        graph.replay()
+        return out[:b]
+
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 

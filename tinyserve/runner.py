@@ -140,6 +140,8 @@ class ModelRunner:
             if config.speculative_method is not None:  # the verify step: last token + k drafts
                 q = config.num_speculative_tokens + 1
                 self.verify_graphs = DecodeGraphs(*args, query_len=q, pool=self.graphs.pool)
+                if self.mtp is not None:  # the MTP head's drafts after a verify replay, too
+                    self.verify_graphs.capture_drafts(self.draft_tokens)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -284,8 +286,8 @@ class ModelRunner:
             pending=(t(dst), t(src)) if dst else None,
         )
 
-    def _forward(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden (T, H) and, when a CUDA graph ran, logits of all T tokens."""
+    def _forward(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        """hidden (T, H) and, when a CUDA graph ran, logits of all T tokens and its graphs."""
         md = x.metadata
         q_lens = md.query_lens_cpu
         graphs = self.graphs if md.is_decode_only else None
@@ -293,10 +295,11 @@ class ModelRunner:
             if q_lens[0] == self.verify_graphs.query_len and len(x.logits_idx) == len(x.input_ids):
                 graphs = self.verify_graphs  # every row verifies k drafts
         if graphs is not None and graphs.can_run(len(q_lens)):
-            return graphs.run(x.input_ids, x.positions, md.slot_mapping, md.context_lens,
-                              md.block_tables)  # fmt: skip
+            hidden, logits = graphs.run(x.input_ids, x.positions, md.slot_mapping,
+                                        md.context_lens, md.block_tables)  # fmt: skip
+            return hidden, logits, graphs
         with forward_context(md):
-            return self.model(x.input_ids, x.positions), None
+            return self.model(x.input_ids, x.positions), None, None
 
     def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> list[SeqOutput]:
         """Forward the batch and sample every logits row; returns, per sequence that samples
@@ -320,10 +323,10 @@ class ModelRunner:
         if x.pending is not None:  # the overlapped loop: inputs sampled by the previous step
             dst, src = x.pending
             x.input_ids[dst] = prev.sampled[src]
-        hidden, all_logits = self._forward(x)
+        hidden, all_logits, graphs = self._forward(x)
         if not x.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
             if self.mtp is not None:
-                self._mtp_first_pass(x, hidden, x.next_ids)  # the MTP layer's KV only
+                self._mtp_first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
             return PendingStep([], rows)
         if all_logits is not None:
             logits = all_logits if len(x.logits_idx) == len(x.input_ids) else all_logits[x.idx]
@@ -342,7 +345,8 @@ class ModelRunner:
             accepted = None
         drafts = None
         if self.mtp is not None:
-            drafts = self._mtp_drafts(x, hidden, sampled, accepted)
+            graphed = graphs is not None and graphs is self.verify_graphs
+            drafts = self._mtp_drafts(x, hidden, sampled, accepted, graphed)
         step = PendingStep(x.seg_starts, rows, sampled)
         # Device -> pinned host copies, then an event: `result()` waits on that event only.
         step.host = [_to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
@@ -352,55 +356,64 @@ class ModelRunner:
             step.event.record()
         return step
 
-    def _mtp_first_pass(self, x: StepInputs, hidden: torch.Tensor, next_ids: torch.Tensor):
-        """MTP layer 0 over every token of the step, at the target's positions and slots: writes
-        its KV (entry i from target hidden h_i and token t_{i+1}) and returns its output."""
-        with forward_context(x.metadata):
-            return self.mtp(next_ids, hidden, x.positions, target_hidden=True)
+    def _mtp_first_pass(self, md: AttentionMetadata, positions: torch.Tensor,
+                        hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The MTP layer over every token of the step, at the target's positions and slots:
+        writes its KV (entry i from target hidden h_i and token t_{i+1}), returns its output."""
+        with forward_context(md):
+            return self.mtp(next_ids, hidden, positions, target_hidden=True)
 
     def _mtp_drafts(self, x: StepInputs, hidden: torch.Tensor, sampled: torch.Tensor,
-                    accepted: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """k drafts per sampling sequence (S, k), on the device. The first comes from the MTP
-        entry at the last verified position (its next token is the one just sampled); the
-        others chain the MTP head on its own output, one position further each, writing their
-        KV into the row's lookahead slots (rewritten once the target verifies them)."""
+                    accepted: torch.Tensor | None, graphed: bool) -> torch.Tensor:  # fmt: skip
+        """k drafts per sampling sequence (S, k), on the device; `graphed`: the verify graph ran
+        this step, so its MTP graph (same static inputs) drafts."""
         next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
-        out = self._mtp_first_pass(x, hidden, next_ids)
-        chosen = x.idx[x.seg_starts_dev]  # token index of the last verified position
-        if accepted is not None:
-            chosen = chosen + accepted
+        if accepted is None:
+            accepted = torch.zeros(len(x.seg_starts), dtype=torch.long, device=self.device)
+        if graphed:
+            return self.verify_graphs.draft(next_ids, accepted, x.kv_limits)
+        chosen = x.idx[x.seg_starts_dev] + accepted  # token index of the last verified position
+        tables = x.metadata.block_tables[x.sample_rows]  # (S, W)
+        return self.draft_tokens(x.metadata, x.positions, hidden, next_ids, chosen, tables,
+                                 x.kv_limits, x.max_kv_limit)  # fmt: skip
+
+    def draft_tokens(self, md: AttentionMetadata, positions: torch.Tensor, hidden: torch.Tensor,
+                     next_ids: torch.Tensor, chosen: torch.Tensor, tables: torch.Tensor,
+                     limits: torch.Tensor, max_kv_limit: int | None) -> torch.Tensor:  # fmt: skip
+        """The MTP head over the step's tokens (writing its KV), then k drafts per sequence: the
+        first from the entry at the last verified position `chosen` (whose next token is the one
+        just sampled), the others chaining the head on its own output one position further,
+        writing KV into the row's lookahead slots (`limits`; rewritten once verified). Device
+        tensors only, no host reads: the verify graph captures this too."""
+        out = self._mtp_first_pass(md, positions, hidden, next_ids)
         h = out[chosen]
         token = self.mtp.compute_logits(h).argmax(-1)
         drafts = [token]
-        k = self.config.num_speculative_tokens
-        if k > 1:
-            bs, num = self.block_size, len(x.seg_starts)
-            pos = x.positions[chosen]
-            tables = x.metadata.block_tables[x.sample_rows]  # (S, W)
-            limits = x.kv_limits
-            max_pos = self.model_config.max_position_embeddings - 1
-            scratch = self.num_kv_blocks * bs
-            cu = torch.arange(num + 1, dtype=torch.int32, device=self.device)
-            for _ in range(1, k):
-                pos = pos + 1
-                valid = pos < limits  # past the lookahead slots: write to the scratch slot
-                p = torch.minimum(pos, limits - 1)
-                col = (p // bs).clamp(max=tables.shape[1] - 1)[:, None]
-                slots = tables.gather(1, col).squeeze(1).long() * bs + p % bs
-                md = AttentionMetadata(
-                    slot_mapping=torch.where(valid, slots, scratch),
-                    block_tables=tables,
-                    cu_seqlens_q=cu,
-                    context_lens=(p + 1).to(torch.int32),
-                    query_lens_cpu=[1] * num,
-                    context_lens_cpu=[],
-                    max_context_len=x.max_kv_limit,
-                    is_decode_only=True,
-                )
-                with forward_context(md):
-                    h = self.mtp(token, h, pos.clamp(max=max_pos), target_hidden=False)
-                token = self.mtp.compute_logits(h).argmax(-1)
-                drafts.append(token)
+        bs, num = self.block_size, chosen.shape[0]
+        pos = positions[chosen]
+        max_pos = self.model_config.max_position_embeddings - 1
+        scratch = self.num_kv_blocks * bs
+        cu = torch.arange(num + 1, dtype=torch.int32, device=self.device)
+        for _ in range(1, self.config.num_speculative_tokens):
+            pos = pos + 1
+            valid = pos < limits  # past the lookahead slots: write to the scratch slot
+            p = torch.minimum(pos, limits - 1).clamp(min=0)
+            col = (p // bs).clamp(max=tables.shape[1] - 1)[:, None]
+            slots = tables.gather(1, col).squeeze(1).long() * bs + p % bs
+            chain = AttentionMetadata(
+                slot_mapping=torch.where(valid, slots, scratch),
+                block_tables=tables,
+                cu_seqlens_q=cu,
+                context_lens=(p + 1).to(torch.int32),
+                query_lens_cpu=[1] * num,
+                context_lens_cpu=[],
+                max_context_len=max_kv_limit or 0,
+                is_decode_only=True,
+            )
+            with forward_context(chain):
+                h = self.mtp(token, h, pos.clamp(max=max_pos), target_hidden=False)
+            token = self.mtp.compute_logits(h).argmax(-1)
+            drafts.append(token)
         return torch.stack(drafts, dim=1)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
