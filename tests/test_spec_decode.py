@@ -226,9 +226,13 @@ def test_forced_acceptance_emits_the_drafts(mimo_dir):
     """Benchmark switch: exactly f drafts accepted per step (the outputs are the drafts')."""
     llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
                    spec_force_accept=2)  # fmt: skip
-    run(llm, prompts(2))
+    got = run(llm, prompts(2))
     s = llm.engine.spec_stats
     assert s.num_accepted_tokens == 2 * s.num_drafts
+    # f = 0: every step emits the target's own token, so the outputs are the model's
+    zero = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
+                    spec_force_accept=0)  # fmt: skip
+    assert run(zero, prompts(2)) == run(make_llm(mimo_dir), prompts(2)) != got
 
 
 # -- MTP drafts are exact -------------------------------------------------------------------------

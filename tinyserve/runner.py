@@ -339,8 +339,10 @@ class ModelRunner:
         if x.draft_next is not None:
             force = self.config.spec_force_accept
             accepted = accepted_counts(sampled, x.draft_next, x.seg_ids, x.seg_starts_dev, force)
-            if force is not None:  # benchmarks: the forced drafts become the emitted tokens
-                sampled = torch.where(x.draft_next >= 0, x.draft_next, sampled)
+            if force is not None:  # benchmarks: the first f drafts become the emitted tokens
+                row_in_seq = torch.arange(len(x.logits_idx), device=self.device)
+                row_in_seq = row_in_seq - x.seg_starts_dev[x.seg_ids]
+                sampled = torch.where(row_in_seq < accepted[x.seg_ids], x.draft_next, sampled)
         else:
             accepted = None
         drafts = None
