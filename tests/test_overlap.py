@@ -128,3 +128,22 @@ def test_abort_while_in_flight_and_penalties_switch_modes(model_dir):
     assert reasons["0"] == "abort" and reasons["pen"] == "length"
     for i in range(1, len(prompts)):
         assert got.get(str(i), []) == ref[i][0] and reasons[str(i)] == ref[i][1], i
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shared_prefixes_computed_once_with_the_overlapped_loop(model_dir, overlap):
+    """Followers arriving with their leader wait for its blocks even though the overlapped loop
+    commits them a step late: the hit count is the theoretical one."""
+    rng = random.Random(3)
+    groups, per_group, sys_len = 3, 4, 32  # 8 blocks of 4 shared per group
+    llm = make_llm(model_dir, async_scheduling=overlap)
+    engine = llm.engine
+    for g in range(groups):
+        system = [rng.randrange(8, VOCAB) for _ in range(sys_len)]
+        for r in range(per_group):
+            ids = system + [rng.randrange(8, VOCAB) for _ in range(5)]
+            engine.add_request(f"{g}-{r}", ids, SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+    assert engine.pool.trie.num_hit_tokens == groups * (per_group - 1) * sys_len

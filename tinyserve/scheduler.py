@@ -84,7 +84,10 @@ class Scheduler:
         live = [s for s in self.running if not self._exhausted(s)]
         decoding = [s for s in live if s.num_uncomputed == 1]
         prefilling = [s for s in live if s.num_uncomputed > 1]
-        self._prefilling = prefilling  # in-flight checks of admissions scan these only
+        # Admissions wait for blocks these will commit: prefills, and sequences whose last
+        # step computed full blocks not committed yet (the overlapped loop commits a step late).
+        bs = self.pool.block_size
+        self._leaders = [s for s in live if (s.num_committed_blocks + 1) * bs <= s.num_tokens]
         long = [s for s in prefilling if s.num_uncomputed > self.long_prefill_tokens]
         starved = [s for s in long if self.num_steps - s.last_scheduled_step > AGING_STEPS]
         # 1) decode rows, 2) short and starved prefills
@@ -142,26 +145,28 @@ class Scheduler:
                 self.pool.trie.num_hit_tokens += matched
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self._prefilling.append(seq)  # later admissions of this step may wait for its blocks
+        self._leaders.append(seq)  # later admissions of this step may wait for its blocks
         self._take(seq, num, extra)
         return True
 
     def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
-        """Is a running sequence prefilling the very block `seq` would compute next? Then `seq`
-        waits for it to be committed and hits it, instead of computing the same KV twice."""
+        """Is a running sequence computing (or has it computed but not yet committed) the very
+        block `seq` would compute next? Then `seq` waits for it to be committed and hits it,
+        instead of computing the same KV twice."""
         if self.pool.trie is None:
             return False
         end = matched + self.pool.block_size
         if end >= seq.num_tokens:
             return False  # the last token is never matched anyway
         head = seq.token_ids[:end]
+        bs = self.pool.block_size
         return any(
-            other.num_uncomputed > 1
-            and other.num_kv_computed < end <= other.num_tokens
+            (other.num_uncomputed > 1 or other.num_kv_computed >= end)
+            and other.num_committed_blocks * bs < end <= other.num_tokens
             and other.cache_salt == seq.cache_salt
             and other.mm_spans == seq.mm_spans
             and other.token_ids[:end] == head
-            for other in self._prefilling
+            for other in self._leaders
         )
 
     def _exhausted(self, seq: Sequence) -> bool:
