@@ -511,6 +511,11 @@ def bench_prefix(args) -> dict:
         llm = LLM(path, load_format=load_format, enable_prefix_caching=on, seed=0,
                   max_num_seqs=args.max_num_seqs)  # fmt: skip
         engine, tag = llm.engine, "on" if on else "off"
+        # Warm-up: Triton compiles each kernel variant on first use (seconds on a fresh machine,
+        # whose compile cache is empty); a shared head also compiles the cached-prefix paths.
+        head = rand_ids(sys_len)
+        warm = SamplingParams(temperature=0, max_tokens=4)
+        drive(engine, [(0.0, f"warm{i}{tag}", head + rand_ids(q_len), warm) for i in range(3)])
         res["device"], res["kv_capacity_tokens"] = engine.config.device, engine.kv_capacity_tokens
         for name, reqs in (("shared_prefix", shared), ("no_sharing", unique)):
             row, trie = rows[name], engine.pool.trie
