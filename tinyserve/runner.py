@@ -1,8 +1,9 @@
 """Model runner: owns the weights and the KV cache, turns a ScheduledBatch into tensors, runs the
 forward and the sampler. No policy lives here (that is the scheduler's job).
 
-The only host sync is `execute`'s final copy of the sampled ids (and logprobs, accepted counts,
-MTP drafts) to the host.
+`launch` enqueues a step and returns; the only host sync is `PendingStep.result()` waiting on
+the event after the copy of the sampled ids (and logprobs, accepted counts, MTP drafts) to
+pinned host memory. The engine calls it while the next step already runs (the overlapped loop).
 """
 
 from __future__ import annotations
@@ -301,19 +302,12 @@ class ModelRunner:
         with forward_context(md):
             return self.model(x.input_ids, x.positions), None, None
 
-    def execute(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> list[SeqOutput]:
-        """Forward the batch and sample every logits row; returns, per sequence that samples
-        (in batch order), its verified tokens and the MTP head's drafts for the next step.
-
-        `rows` holds the sampling state of each logits row: one per sampling sequence, plus
-        one per draft of a speculative row.
-        """
-        return self.launch(batch, rows).result()
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, rows: list[SamplingRow],
                prev: PendingStep | None = None) -> PendingStep:  # fmt: skip
-        """Enqueue the step on the device and return at once; `result()` waits for it.
+        """Forward the batch and sample every logits row (`rows`: one per sampling sequence,
+        plus one per draft of a speculative row), enqueued on the device; returns at once and
+        `result()` waits for it.
 
         Token ids still PLACEHOLDER on the host (sampled by `prev`, not read back yet) are
         taken from `prev`'s sampled ids on the device (`seq.pending_row`), so this step can be
