@@ -179,7 +179,8 @@ def run(**kwargs) -> None:
     try:
         # The engine lives as long as this process: move everything built so far out of the
         # collector's generations, so the collections that per-step objects trigger stop
-        # rescanning it (GC was ~10% of host time per step at 512 sequences). Only here: an
+        # rescanning it (a CPU cProfile of 30 decode steps at 512 sequences spent ~75 ms in
+        # collections triggered from per-step code; gc.freeze cut it to ~30 ms). Only here: an
         # `LLM` in a script may be dropped and rebuilt, and frozen cycles would never be freed.
         gc.collect()
         gc.freeze()

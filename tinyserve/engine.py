@@ -266,7 +266,6 @@ class LLMEngine:
                 pos = step.positions[i]
                 later = seq.token_ids[pos + 1 :]
                 del seq.token_ids[pos:]
-                seq.pending_row = None if not later else seq.pending_row
             num_drafts = len(seq.draft_ids)
             if num_drafts:
                 self.spec_stats.record(num_drafts, len(out.tokens) - 1)

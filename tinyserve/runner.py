@@ -51,11 +51,12 @@ class StepInputs:
     idx: torch.Tensor  # logits_idx on the device
     next_ids: torch.Tensor | None  # (T,) token after each position where known (MTP input)
     draft_next: torch.Tensor | None  # (R,) draft for the position after each row, -1 if none
-    seg_starts_dev: torch.Tensor  # (S,)
+    # Only speculative or MTP steps read these (no host-to-device copies otherwise):
+    seg_starts_dev: torch.Tensor | None  # (S,)
     seg_ids: torch.Tensor | None  # (R,) sampling sequence of each logits row
-    kv_limits: torch.Tensor  # (S,) KV slots owned by each sampling sequence
+    kv_limits: torch.Tensor | None  # (S,) KV slots owned by each sampling sequence
     max_kv_limit: int
-    sample_rows: torch.Tensor  # (S,) batch row of each sampling sequence
+    sample_rows: torch.Tensor | None  # (S,) batch row of each sampling sequence
     pending: tuple[torch.Tensor, torch.Tensor] | None  # (batch positions, previous rows)
 
 
@@ -269,6 +270,7 @@ class ModelRunner:
                 self.max_blocks_per_seq * self.block_size, dev,
             )  # fmt: skip
         spec = len(draft_next) > len(seg_starts)  # some row carries drafts
+        mtp = self.mtp is not None
         seg_ids = [s for s, n in enumerate(_lengths(seg_starts, len(logits_idx))) for _ in range(n)]
         return StepInputs(
             input_ids=t(input_ids),
@@ -279,11 +281,11 @@ class ModelRunner:
             idx=t(logits_idx),
             next_ids=t(next_ids) if self.mtp is not None else None,
             draft_next=t(draft_next) if spec else None,
-            seg_starts_dev=t(seg_starts),
+            seg_starts_dev=t(seg_starts) if spec or mtp else None,
             seg_ids=t(seg_ids) if spec else None,
-            kv_limits=t(limits),
+            kv_limits=t(limits) if mtp else None,
             max_kv_limit=max(limits, default=0),
-            sample_rows=t(sample_rows),
+            sample_rows=t(sample_rows) if mtp else None,
             pending=(t(dst), t(src)) if dst else None,
         )
 

@@ -87,7 +87,11 @@ class Scheduler:
         # Admissions wait for blocks these will commit: prefills, and sequences whose last
         # step computed full blocks not committed yet (the overlapped loop commits a step late).
         bs = self.pool.block_size
-        self._leaders = [s for s in live if (s.num_committed_blocks + 1) * bs <= s.num_tokens]
+        self._leaders = (
+            [s for s in live if (s.num_committed_blocks + 1) * bs <= s.num_tokens]
+            if self.pool.trie is not None and self.waiting
+            else []
+        )
         long = [s for s in prefilling if s.num_uncomputed > self.long_prefill_tokens]
         starved = [s for s in long if self.num_steps - s.last_scheduled_step > AGING_STEPS]
         # 1) decode rows, 2) short and starved prefills
