@@ -97,6 +97,7 @@ def test_steps_really_overlap(model_dir):
     while engine.has_unfinished():
         engine.step()
     assert sum(launches) >= 6  # every decode step took its input from the device
+    assert len(launches) == 8  # the prefill and 7 decode steps, no step past max_tokens
     assert PLACEHOLDER not in seq.token_ids and len(seq.output_ids) == 8
 
 
