@@ -293,10 +293,10 @@ def _bench_small_ops(res) -> None:
     import torch.nn.functional as F
     from tinyserve.kernels.gemv import gemv
     from tinyserve.kernels.rms_norm import rms_norm, rms_norm_ref
+    from tinyserve.kernels.rope_store_kv import rope_store_kv
     from tinyserve.kernels.rotary import rotary_embedding
     from tinyserve.kernels.sampling import sample_race, sample_race_ref
     from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref
-    from tinyserve.kernels.store_kv import store_kv
 
     from tinyserve.layers import attention as layer
     from tinyserve.layers.rotary import apply_rotary
@@ -346,13 +346,29 @@ def _bench_small_ops(res) -> None:
                     tokens * (40 * 128 * 2 * 2 + 128 * 4), 0, rope_set,
                     lambda p, q, k: rotary_embedding(p, q, k, cache), both(rope_eager))  # fmt: skip
     kc, vc = rnd(4096, 16, 8, 128), rnd(4096, 16, 8, 128)  # shared: each set writes new slots
-    for tokens in (64, 8192):
+    for model, heads, norm in (("qwen3-0.6b", 16, True), ("llama-3.1-8b", 32, False)):
+        for tokens in (1, 64, 8192):
 
-        def kv_set(t=tokens):
-            return rnd(t, 8, 128), rnd(t, 8, 128), kc, vc, torch.randperm(65536, device=dev)[:t]
+            def qkv_set(t=tokens, h=heads, norm=norm):
+                qkv = rnd(t, (h + 16) * 128)
+                norms = (rnd(128), rnd(128)) if norm else (None, None)
+                return (qkv, torch.randint(0, 32768, (t,), device=dev), cache, kc, vc,
+                        torch.randperm(65536, device=dev)[:t], h, *norms)  # fmt: skip
 
-        _kernel_row(res, "store_kv", f"llama-3.1-8b T={tokens}", tokens * 8 * 128 * 2 * 4, 0,
-                    kv_set, store_kv, both(layer.store_kv))  # fmt: skip
+            def qkv_eager(qkv, pos, table, kc, vc, slots, h, qn, kn):
+                # The unfused ops of the torch path (every bench slot is valid: no masking sync).
+                q, k, v = qkv.view(qkv.shape[0], -1, 128).split([h, 8, 8], dim=1)
+                if qn is not None:
+                    q, k = rms_norm_ref(q, qn, 1e-6), rms_norm_ref(k, kn, 1e-6)
+                cos, sin = table[pos].chunk(2, dim=-1)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                layer.store_kv(k, v, kc, vc, slots)
+                return q
+
+            nbytes = tokens * ((heads + 16) * 128 * 2 + heads * 128 * 2 + 16 * 128 * 2 + 128 * 4)
+            _kernel_row(res, "rope_store_kv (q/k norm, rotary, KV store)",
+                        f"{model} T={tokens}", nbytes, 0, qkv_set, rope_store_kv,
+                        both(qkv_eager))  # fmt: skip
     for batch in (1, 64):
         _kernel_row(res, "sample_race", f"B={batch} V=151936", batch * 151936 * 4, 0,
                     lambda b=batch: (rnd(b, 151936, dtype=torch.float32),
@@ -371,6 +387,48 @@ def _bench_small_ops(res) -> None:
                             {"cublas": F.linear})  # fmt: skip
                 if m > 1:  # the CUDA-core kernel that wins at M = 1, for comparison
                     _sweep(res, "gemv", shape, nbytes, gemv_set, gemv, [dict(method="stream")])
+            if name in ("qkv", "gate_up", "down"):
+                _bench_prologue(res, model, name, n, k)
+
+
+def _bench_prologue(res, model: str, name: str, n: int, k: int) -> None:
+    """Batch-1 decode matmul with the op before it fused (RMSNorm + residual before qkv and
+    gate_up, SiLU-and-mul before down) vs the two launches it replaces and torch.compile."""
+    from tinyserve.kernels.gemv import gemv, gemv_ref
+    from tinyserve.kernels.rms_norm import rms_norm
+    from tinyserve.kernels.silu_mul import silu_mul
+
+    dev, bf16 = "cuda", torch.bfloat16
+    if name == "down":
+        nbytes = (n * k + 2 * k + n) * 2
+        make_set = lambda: (torch.randn(1, 2 * k, device=dev, dtype=bf16),  # noqa: E731
+                            torch.randn(n, k, device=dev, dtype=bf16) * 0.05)  # fmt: skip
+        fused = lambda x, w, **cfg: gemv(x, w, gated=True, **cfg)  # noqa: E731
+        ref = lambda x, w: gemv_ref(x, w, gated=True)  # noqa: E731
+        two = {"silu_mul+gemv": lambda x, w: gemv(silu_mul(x), w)}
+        label = "gemv(silu_mul prologue)"
+    else:
+        nbytes = (n * k + 4 * k + n) * 2
+        make_set = lambda: (torch.randn(1, k, device=dev, dtype=bf16),  # noqa: E731
+                            torch.randn(n, k, device=dev, dtype=bf16) * 0.05,
+                            torch.randn(1, k, device=dev, dtype=bf16),
+                            torch.randn(k, device=dev, dtype=bf16))  # fmt: skip
+
+        def fused(x, w, r, nw, **cfg):
+            return gemv(x, w, norm=(nw, 1e-6), residual=r, residual_out=torch.empty_like(x), **cfg)
+
+        def ref(x, w, r, nw):
+            return gemv_ref(x, w, norm=(nw, 1e-6), residual=r)
+
+        def unfused(x, w, r, nw):
+            return gemv(rms_norm(x, nw, 1e-6, r)[0], w)
+
+        two = {"rms_norm+gemv": unfused}
+        label = "gemv(rms_norm+residual prologue)"
+    shape = f"{model} {name} M=1 {n}x{k}"
+    torch_fns = {**two, "compile": torch.compile(ref, dynamic=False), "cublas_eager": ref}
+    _kernel_row(res, label, shape, nbytes, 2 * n * k, make_set, fused, torch_fns)
+    _sweep(res, label, shape, nbytes, make_set, fused, [dict(block_n=b) for b in (1, 2, 4, 8, 16)])
 
 
 def bench_kernels(args) -> dict:

@@ -20,11 +20,14 @@ MAX_ROWS = 16
 
 @triton.jit
 def _gemv_stream_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    nw_ptr, res_ptr, res_out_ptr, eps, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     m = tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # Clamped indices keep the W / x loads unmasked; the store masks the padding.
     m_c = tl.minimum(m, M - 1)
     n_c = tl.minimum(n, N - 1).to(tl.int64)
@@ -33,18 +36,38 @@ def _gemv_stream_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once, after the loop
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    sum_sq = tl.zeros([BLOCK_M, 1], tl.float32)  # RMSNorm prologue: sum of x^2 over K
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
+        k_mask = (k < K)[None, :]
         w_ptrs = w_ptr + n_c[:, None] * stride_wn + k[None, :]
         x_ptrs = x_ptr + m_c[:, None] * stride_xm + k[None, :]
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=k[None, :] < K, other=0.0)
-            x = tl.load(x_ptrs, mask=k[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        if PROLOGUE == 1:  # x <- (x + residual) * norm weight; 1/rms scales the sum at the end
+            if HAS_RES:
+                r_ptrs = res_ptr + m_c[:, None] * stride_rm + k[None, :]
+                x = x.to(tl.float32) + tl.load(r_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                x = x.to(w.dtype)  # the residual stream is rounded like HF's bf16 add
+                if pid == 0:  # one program writes the new residual stream
+                    ro_ptrs = res_out_ptr + m[:, None] * stride_rom + k[None, :]
+                    tl.store(ro_ptrs, x, mask=k_mask & (m[:, None] < M))
+            x = x.to(tl.float32)
+            sum_sq += tl.sum(x * x, 1, keep_dims=True)
+            x = x * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        elif PROLOGUE == 2:  # x = [gate | up] (M, 2K) -> silu(gate) * up, rounded as HF's
+            up_ptrs = x_ptrs + K
+            up = tl.load(up_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
+            x = (act * up).to(w.dtype).to(tl.float32)
+        else:
+            x = x.to(tl.float32)
         w = w.to(tl.float32)
-        x = x.to(tl.float32)
         if BLOCK_M == 1:
             acc2 += w * x  # (BLOCK_N, BLOCK_K) * (1, BLOCK_K)
         else:
@@ -53,6 +76,10 @@ def _gemv_stream_kernel(
         acc = tl.sum(acc2, 1)[None, :]  # (1, BLOCK_N)
     else:
         acc = tl.sum(acc3, 2)  # (BLOCK_M, BLOCK_N)
+    if PROLOGUE == 1:
+        acc = acc * tl.math.rsqrt(sum_sq / K + eps)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n_c).to(tl.float32)[None, :]
     y_ptrs = y_ptr + m[:, None] * stride_ym + n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
 
@@ -117,43 +144,100 @@ def gemv(
     weight: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
+    bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    gated: bool = False,
     method: str | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x (M, K) with M <= 16, weight (N, K) -> (M, N) in x's dtype. `method`: "stream" (the
-    default for M = 1) or "dot" (the default for M >= 2)."""
-    check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x (M,K), W (N,K)")
-    (m, k), n = x.shape, weight.shape[0]
+    """x (M, K) with M <= 16, weight (N, K) -> (M, N) in x's dtype (+ bias (N,)). `method`:
+    "stream" (the default for M = 1) or "dot" (the default for M >= 2).
+
+    Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
+    `norm=(norm_weight (K,), eps)` multiplies RMSNorm(x + residual) instead of x and writes
+    x + residual to `residual_out` (must not alias x or residual); `gated=True` takes x as
+    [gate | up] (M, 2K) and multiplies silu(gate) * up."""
+    check(x.dim() == 2 and weight.dim() == 2, "x must be (M, K), W (N, K)")
+    (m, kx), (n, k) = x.shape, weight.shape
+    check(kx == (2 * k if gated else k), f"x has {kx} columns, W {k}" + (" (x2: gated)" * gated))
     check(1 <= m <= MAX_ROWS, f"gemv is for 1..{MAX_ROWS} rows, got {m}")
     check(x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype, "x and W: one float dtype")
     check(x.stride(1) == 1 and weight.stride(1) == 1, "x and W need a contiguous last dim")
-    check(x.device == weight.device, "x and W on different devices")
+    tensors = [x, weight]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     check(out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out")
-    method = method or ("stream" if m == 1 else "dot")
+    if bias is not None:
+        check(bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous(), "bad bias")
+        tensors.append(bias)
+    prologue = 2 if gated else 0
+    norm_w, eps, res, res_out = x, 0.0, x, x  # placeholders for the unused pointers
+    if norm is not None:
+        check(not gated, "norm and gated prologues are exclusive")
+        prologue, (norm_w, eps) = 1, norm
+        check(norm_w.shape == (k,) and norm_w.is_contiguous(), "norm weight must be (K,)")
+        tensors.append(norm_w)
+        if residual is not None:
+            check(residual_out is not None, "a residual needs residual_out")
+            for t in (residual, residual_out):
+                check(t.shape == x.shape and t.dtype == x.dtype and t.stride(1) == 1,
+                      "residual / residual_out must match x")  # fmt: skip
+            check(
+                residual_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()),
+                "residual_out must not alias x or residual (other programs still read them)",
+            )
+            res, res_out = residual, residual_out
+            tensors += [residual, residual_out]
+    else:
+        check(residual is None, "a residual needs the norm prologue")
+    check(len({t.device for t in tensors}) == 1, "all inputs on one device")
+    method = method or ("stream" if m == 1 or prologue or bias is not None else "dot")
     check(method in ("stream", "dot"), f"unknown method {method!r}")
-    args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    check(method == "stream" or not (prologue or bias is not None), "dot has no prologue/bias")
+    args = (x, weight, out)
+    sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     if method == "stream":
         cfg_n, cfg_k = stream_config(m, n, k, x.device)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
         _gemv_stream_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages or 3,
+            *args, bias if bias is not None else x, *sizes,
+            norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
+            BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            num_warps=num_warps, num_stages=num_stages or 3,
         )  # fmt: skip
     else:
         cfg_n, cfg_k = dot_config(n, x.device)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
         _gemv_dot_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            *args, *sizes, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
             num_warps=num_warps, num_stages=num_stages or 4,
         )  # fmt: skip
     return out
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight)
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """The unfused ops in HF's order and rounding (layers/norm.py, layers/activation.py)."""
+    if norm is not None:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        x = norm[0] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm[1])).to(x.dtype)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.linear(x, weight, bias)

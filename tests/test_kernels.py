@@ -24,10 +24,10 @@ from tinyserve.kernels.prefill_attention import (  # noqa: E402
     prefill_attention_ref,
 )
 from tinyserve.kernels.rms_norm import rms_norm, rms_norm_ref  # noqa: E402
+from tinyserve.kernels.rope_store_kv import rope_store_kv, rope_store_kv_ref  # noqa: E402
 from tinyserve.kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
 from tinyserve.kernels.sampling import counter_uniform, sample_race, sample_race_ref  # noqa: E402
 from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
-from tinyserve.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
 INTERP = is_interpreter()
 DEVICE = "cpu" if INTERP else "cuda"
@@ -160,21 +160,6 @@ def test_attention_match_layer_references():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_strided_views_and_padding_slots(dtype):
-    num_kv_heads, head_dim, block_size = 2, 64, 16
-    qkv = randn(6, (4 + 2 * num_kv_heads) * head_dim, dtype=dtype)  # packed, as after QKVLinear
-    k = qkv[:, 4 * head_dim : 6 * head_dim].view(6, num_kv_heads, head_dim)
-    v = qkv[:, 6 * head_dim :].view(6, num_kv_heads, head_dim)
-    k_cache = randn(5, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = randn(5, block_size, num_kv_heads, head_dim, dtype=dtype)
-    slots = torch.tensor([3, -1, 17, 79, 0, 40], device=DEVICE)  # -1: a padded token
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_ref(k, v, k_ref, v_ref, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, with_residual):
     x, weight = randn(7, 300, dtype=dtype, scale=3.0), randn(300, dtype=dtype)
@@ -238,6 +223,30 @@ def test_rotary(dtype, inplace):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_kv(dtype, num_heads, num_kv_heads, head_dim, qk_norm):
+    """Fused q/k norm + rotary + KV store == the unfused ops; padded tokens (slot -1) store
+    nothing, every other cache slot keeps its value."""
+    tokens, block_size = 7, 16
+    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, scale=2.0)
+    positions = torch.tensor([0, 5, 17, 100, 3, 64, 9], device=DEVICE)
+    cache = randn(128, head_dim)  # any float32 table: the kernel only looks it up
+    slots = torch.tensor([3, 40, -1, 17, 63, 0, -1], device=DEVICE)
+    norms = (randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)) if qk_norm else (None,) * 2
+    caches = [randn(4, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q_ref = rope_store_kv_ref(qkv.clone(), positions, cache, *ref_caches, slots, num_heads,
+                              *norms, eps=1e-6)  # fmt: skip
+    q = rope_store_kv(qkv, positions, cache, *caches, slots.int(), num_heads, *norms, eps=1e-6)
+    assert q.data_ptr() == qkv.data_ptr()  # rotated in place
+    # Relative to the norm: the interpreter truncates each of the 16-bit roundings.
+    assert_rel(q, q_ref, dtype)
+    assert_rel(caches[0], ref_caches[0], dtype)
+    assert torch.equal(caches[1], ref_caches[1])  # v is copied, never rounded
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     x = randn(5, 2 * 1100, dtype=dtype, scale=3.0)  # I = 1100: two column blocks, one partial
     out = poisoned(x[:, :1100].contiguous())
@@ -253,6 +262,54 @@ def test_gemv(dtype, m, method):
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     assert gemv(x, w, out, method=method, block_k=128) is out
     assert_rel(out, gemv_ref(x.double(), w.double()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_norm_prologue(dtype, m, with_residual):
+    """gemv(norm=...) == linear(rms_norm(x + residual)); x + residual lands in residual_out,
+    written by one program while the others still read x and residual."""
+    n, k = 37, 1000
+    x, w, nw = randn(m, k, dtype=dtype, scale=3.0), randn(n, k, dtype=dtype), randn(k, dtype=dtype)
+    bias = randn(n, dtype=dtype)
+    res = randn(m, k, dtype=dtype) if with_residual else None
+    res_out = poisoned(x) if with_residual else None
+    out = poisoned(torch.empty(m, n, dtype=dtype, device=DEVICE))
+    gemv(x, w, out, bias=bias, norm=(nw, 1e-6), residual=res, residual_out=res_out, block_k=128)
+    ref = gemv_ref(x.double(), w.double(), bias=bias.double(), norm=(nw.double(), 1e-6),
+                   residual=None if res is None else res.double())  # fmt: skip
+    assert_rel(out, ref, dtype)
+    if with_residual and INTERP:  # the interpreter truncates fp32 -> bf16 casts
+        assert_elem(res_out, x + res, dtype)
+    elif with_residual:
+        assert torch.equal(res_out, x + res)  # rounded exactly as the unfused add
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_gated_prologue(dtype, m):
+    n, k = 37, 1000
+    x, w = randn(m, 2 * k, dtype=dtype, scale=3.0), randn(n, k, dtype=dtype)
+    out = poisoned(torch.empty(m, n, dtype=dtype, device=DEVICE))
+    assert gemv(x, w, out, gated=True, block_k=128) is out
+    act = gemv_ref(x, torch.eye(k, dtype=dtype, device=DEVICE), gated=True)  # silu*up in dtype
+    assert_rel(out, gemv_ref(act.double(), w.double()), dtype)
+
+
+def test_gemv_prologue_rejects_bad_inputs():
+    x, w, nw = randn(1, 64), randn(8, 64), randn(64)
+    with pytest.raises(ValueError, match="residual_out"):
+        gemv(x, w, norm=(nw, 1e-6), residual=randn(1, 64))
+    with pytest.raises(ValueError, match="alias"):
+        res = randn(1, 64)
+        gemv(x, w, norm=(nw, 1e-6), residual=res, residual_out=res)
+    with pytest.raises(ValueError, match="gated"):
+        gemv(x, w, gated=True)
+    with pytest.raises(ValueError, match="norm prologue"):
+        gemv(x, w, residual=randn(1, 64))
+    with pytest.raises(ValueError, match="dot"):
+        gemv(x, w, bias=randn(8), method="dot")
 
 
 # --------------------------------------------------------------------------- sampling

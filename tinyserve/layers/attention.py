@@ -146,7 +146,7 @@ def causal_attention(
 
 
 class Attention(nn.Module):
-    """Holds no weights: q/k/v come in already projected and rotated."""
+    """Holds no weights: takes the packed qkv projection and returns the attention output."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
@@ -157,25 +157,35 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (T, Hq, D), k, v (T, Hkv, D) -> (T, Hq, D)."""
+    def forward(
+        self, qkv: torch.Tensor, rope, q_norm: nn.Module | None = None, k_norm=None
+    ) -> torch.Tensor:
+        """qkv (T, (Hq + 2 Hkv) D) -> (T, Hq, D): optional per-head RMSNorm of q and k (Qwen3),
+        rotary at `rope.positions` (layers.rotary.BoundRotary), KV store, attention."""
+        if qkv.is_cuda and self.k_cache is not None:
+            return self._forward_triton(qkv, rope, q_norm, k_norm)
+        sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+        q, k, v = qkv.view(qkv.shape[0], -1, self.head_dim).split(sizes, dim=1)  # (T, H*, D)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = rope(q, k)
         if self.k_cache is None:
             return causal_attention(q, k, v, self.scale)
-        md = _metadata
-        assert md is not None, "KV cache assigned but no forward_context set"
-        if q.is_cuda:
-            return self._forward_triton(q, k, v, md)
+        md = _current_metadata()
         store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         if md.is_decode_only:
             return decode_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
         return prefill_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
 
-    def _forward_triton(self, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+    def _forward_triton(self, qkv, rope, q_norm, k_norm) -> torch.Tensor:
         from tinyserve.kernels.decode_attention import decode_attention
         from tinyserve.kernels.prefill_attention import prefill_attention
-        from tinyserve.kernels.store_kv import store_kv as store_kv_triton
+        from tinyserve.kernels.rope_store_kv import rope_store_kv
 
-        store_kv_triton(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        md = _current_metadata()
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
+        q = rope_store_kv(qkv, rope.positions, rope.cos_sin_cache, self.k_cache, self.v_cache,
+                          md.slot_mapping, self.num_heads, *norms)  # fmt: skip
         if md.is_decode_only:
             return decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
@@ -185,3 +195,8 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, md.block_tables, md.cu_seqlens_q, md.context_lens,
             max(md.query_lens_cpu), self.scale,
         )  # fmt: skip
+
+
+def _current_metadata() -> AttentionMetadata:
+    assert _metadata is not None, "KV cache assigned but no forward_context set"
+    return _metadata

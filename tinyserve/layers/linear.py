@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.kernels.gemv import gemv, gemv_beats_cublas
+from tinyserve.layers.activation import silu_and_mul
 
 
 class ShapeMismatch(ValueError):
@@ -53,10 +54,38 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
+    def _use_gemv(self, x: torch.Tensor) -> bool:
+        # Batch-1 decode: the Triton gemv streams weights faster than cuBLAS, and its prologues
+        # fuse the norm / activation that feeds the matmul (one launch instead of two).
+        return x.is_cuda and gemv_beats_cublas(x.shape[0], self.weight.shape[0])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.bias is None and gemv_beats_cublas(x.shape[0], self.weight.shape[0]):
-            return gemv(x, self.weight)  # batch-1 decode streams weights faster than cuBLAS
+        if self._use_gemv(x):
+            return gemv(x, self.weight, bias=self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def normed(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual) for an RMSNorm `norm`; without a residual,
+        x itself is the residual stream."""
+        if self._use_gemv(x):
+            if residual is None:
+                return gemv(x, self.weight, bias=self.bias, norm=(norm.weight, norm.eps)), x
+            res_out = torch.empty_like(x)
+            y = gemv(x, self.weight, bias=self.bias, norm=(norm.weight, norm.eps),
+                     residual=residual, residual_out=res_out)  # fmt: skip
+            return y, res_out
+        if residual is None:
+            return self(norm(x)), x
+        x, residual = norm(x, residual)
+        return self(x), residual
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for x = [gate | up]."""
+        if self._use_gemv(x):
+            return gemv(x, self.weight, bias=self.bias, gated=True)
+        return self(silu_and_mul(x))
 
 
 class MergedLinear(Linear):

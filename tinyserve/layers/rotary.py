@@ -8,6 +8,7 @@ precomputed once in float32 and the rotation runs in float32 whatever the model 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -122,12 +123,26 @@ class RotaryEmbedding(nn.Module):
         """positions (T,) -> cos, sin (T, D/2) float32."""
         return self.cos_sin_cache[positions].chunk(2, dim=-1)
 
-    def bind(self, positions: torch.Tensor):
-        """A function rotating (q, k) at `positions`, shared by all layers of one forward:
-        the fused Triton kernel (in place) on the GPU, the torch reference elsewhere."""
-        if positions.is_cuda:
+    def bind(self, positions: torch.Tensor) -> BoundRotary:
+        return BoundRotary(positions, self.cos_sin_cache)
+
+
+@dataclass(slots=True)
+class BoundRotary:
+    """The rotation at the positions of one forward, shared by its layers: `rope(q, k)` rotates
+    with the Triton kernel (in place) on the GPU, the torch reference elsewhere; fused kernels
+    read `positions` and `cos_sin_cache` themselves."""
+
+    positions: torch.Tensor  # (T,)
+    cos_sin_cache: torch.Tensor  # (P, D) float32
+    _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU: gathered once per forward
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions.is_cuda:
             from tinyserve.kernels.rotary import rotary_embedding
 
-            return lambda q, k: rotary_embedding(positions, q, k, self.cos_sin_cache)
-        cos, sin = self(positions)
-        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+            return rotary_embedding(self.positions, q, k, self.cos_sin_cache)
+        if self._cos_sin is None:
+            self._cos_sin = self.cos_sin_cache[self.positions].chunk(2, dim=-1)
+        cos, sin = self._cos_sin
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

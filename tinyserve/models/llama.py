@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
-from tinyserve.layers.activation import SiluAndMul
 from tinyserve.layers.attention import Attention
 from tinyserve.layers.embedding import LMHead, VocabEmbedding
 from tinyserve.layers.linear import Linear, MergedLinear, QKVLinear
@@ -42,29 +41,21 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, hidden: torch.Tensor, rotate) -> torch.Tensor:
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, k)
-        out = self.attn(q, k, v)  # (T, Hq, D)
-        return self.o_proj(out.flatten(1))
+    def forward(self, qkv: torch.Tensor, rope) -> torch.Tensor:
+        """qkv (T, (Hq + 2 Hkv) D), the norm-fused qkv_proj output (see the decoder layer)."""
+        norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else ()  # Qwen3
+        return self.o_proj(self.attn(qkv, rope, *norms).flatten(1))
 
 
 class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); the decoder layer calls the two matmuls itself so that each
+    fuses the op before it."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,17 +70,16 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        rotate,
+        rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each block is deferred into the next norm (fused add + norm);
-        # same arithmetic as HF's `hidden = residual + hidden; norm(hidden)`.
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotate)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # The residual add of each block is deferred into the next norm, and each norm into
+        # the matmul that reads it (one kernel at batch-1 decode, see Linear.normed); same
+        # arithmetic as HF's `hidden = residual + hidden; proj(norm(hidden))`.
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
+        hidden = attn(qkv, rope)
+        gate_up, residual = mlp.gate_up_proj.normed(self.post_attention_layernorm, hidden, residual)
+        return mlp.down_proj.gated(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -110,10 +100,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, H)
-        rotate = self.rotary_emb.bind(positions)  # (q, k) -> rotated (q, k)
+        rope = self.rotary_emb.bind(positions)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rotate)
+            hidden, residual = layer(hidden, residual, rope)
         return hidden + residual  # HF's last residual add, in the activation dtype
 
 
