@@ -157,6 +157,8 @@ def _graph_us(fn, sets, reps: int = 25) -> float:
 
 def _kernel_row(res, name, shape, nbytes, flops, make_set, triton_fn, torch_fns, **extra):
     """Times triton_fn and each torch version on the same input sets; appends one row."""
+    if res.get("only") and not any(word in name for word in res["only"]):
+        return
     sets = [make_set() for _ in range(max(1, min(64, -(-(256 << 20) // nbytes))))]
     row = {"kernel": name, "shape": shape, **extra}
     for label, fn in [("triton", triton_fn), *torch_fns.items()]:
@@ -436,7 +438,8 @@ def bench_kernels(args) -> dict:
     shapes, bf16, timed as CUDA-graph replays; GB/s and the fraction of the measured copy rate."""
     assert torch.cuda.is_available(), "the kernels workload needs a CUDA device"
     torch.manual_seed(0)
-    res = {"device": torch.cuda.get_device_name(), "ceilings": measure_ceilings("cuda"), "rows": []}
+    res = {"device": torch.cuda.get_device_name(), "ceilings": measure_ceilings("cuda"), "rows": [],
+           "only": args.only}  # fmt: skip
     print(json.dumps(res["ceilings"]), flush=True)
     _bench_attention(res)
     _bench_small_ops(res)
@@ -981,6 +984,7 @@ def main() -> None:
         help="e2e: which rows",
     )
     p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs")
+    p.add_argument("--only", nargs="+", default=None, help="kernels: rows whose name has a word")
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--new-tokens", type=int, default=256)

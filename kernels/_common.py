@@ -1,4 +1,4 @@
-"""Launcher helpers shared by the kernel files (no Triton ops here).
+"""Launcher helpers shared by the kernel files, and the PDL prologue every decode kernel runs.
 
 `check(cond, msg)` raises ValueError for a bad call; `is_interpreter()` says whether Triton runs
 kernels on CPU tensors (TRITON_INTERPRET=1), where bf16 `tl.dot` is wrong in triton 3.9, so the
@@ -11,6 +11,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,3 +63,30 @@ def check_paged(q, k_cache, v_cache, block_tables, batch: int) -> None:
           "q and caches need a contiguous last dim")  # fmt: skip
     check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables int32 2-D")
     check(block_tables.shape[0] == batch and block_tables.stride(1) == 1, "block_tables (B, n)")
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch (Hopper and later, CUDA only): the
+    kernel may be scheduled while the one before it still runs, so a decode step's ~10 small
+    launches a layer stop paying a launch gap each. `TINYSERVE_PDL=0` turns it off."""
+    on = (
+        device.type == "cuda"
+        and os.environ.get("TINYSERVE_PDL", "1") != "0"
+        and _cuda_capability(device.index if device.index is not None else 0) >= 9
+    )
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+@triton.jit
+def pdl_sync(USE_PDL: tl.constexpr):
+    """First statement of a PDL kernel: wait until the kernel before it has finished and its
+    writes are visible (nothing is read or written before this), then let the next kernel be
+    scheduled at once (it waits the same way)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

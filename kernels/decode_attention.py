@@ -23,6 +23,8 @@ from ._common import (
     is_interpreter,
     next_pow2,
     num_sms,
+    pdl,
+    pdl_sync,
 )
 
 
@@ -36,8 +38,9 @@ def _decode_kernel(
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,7 +116,9 @@ def _decode_kernel(
 def _merge_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -201,14 +206,14 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION=dot_precision(q.dtype), UPCAST=interp,
-        num_warps=num_warps or 4,
+        num_warps=num_warps or 4, **pdl(q.device),
         num_stages=num_stages or (2 if q.dtype == torch.float32 else 3),  # fp32 tiles: 2x smem
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
             part, lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4 if head_dim >= 128 else 2,
+            num_warps=4 if head_dim >= 128 else 2, **pdl(q.device),
         )  # fmt: skip
     return out
 

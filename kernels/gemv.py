@@ -13,7 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, dot_precision, is_interpreter, next_pow2, num_sms
+from ._common import (
+    FLOAT_DTYPES,
+    check,
+    dot_precision,
+    is_interpreter,
+    next_pow2,
+    num_sms,
+    pdl,
+    pdl_sync,
+)
 
 MAX_ROWS = 16
 
@@ -23,8 +32,9 @@ def _gemv_stream_kernel(
     x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     nw_ptr, res_ptr, res_out_ptr, eps, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     m = tl.arange(0, BLOCK_M)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,8 +98,9 @@ def _gemv_stream_kernel(
 def _gemv_dot_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     m = tl.arange(0, 16)  # x padded to the smallest tensor-core tile
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_c = tl.minimum(m, M - 1)
@@ -137,6 +148,14 @@ def gemv_beats_cublas(m: int, n: int) -> bool:
     M = 1 shape (1.02-1.65x at Qwen3-0.6B / Llama-3.1-8B sizes), and M = 2..8 only for LM-head
     sized N (1.05-1.09x at N = 128k-152k; Llama gate_up N = 28672 ties, smaller N lose 3-31%)."""
     return m == 1 or (m <= 8 and n >= 65536)
+
+
+def norm_prologue_pays(k: int) -> bool:
+    """Where gemv(norm=...) beat rms_norm + gemv at M = 1 (H100, bf16, graph replays): K = 1024
+    (Qwen3-0.6B qkv 6.2 vs 7.1 us, gate_up 8.1 vs 8.8 us); at K = 4096 (Llama-3.1-8B) the
+    prologue's extra x / residual / weight reads per program cost more than the launch it saves
+    (qkv 24.0 vs 22.9 us, gate_up 91.9 vs 86.1 us)."""
+    return k <= 2048
 
 
 def gemv(
@@ -203,13 +222,15 @@ def gemv(
     sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     if method == "stream":
         cfg_n, cfg_k = stream_config(m, n, k, x.device)
+        if prologue:  # x costs 2-3 reads per program: rows per program measured best at 4 / 8
+            cfg_n = max(cfg_n, 4 if gated else 8)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
         _gemv_stream_kernel[(triton.cdiv(n, block_n),)](
             *args, bias if bias is not None else x, *sizes,
             norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-            num_warps=num_warps, num_stages=num_stages or 3,
+            num_warps=num_warps, num_stages=num_stages or 3, **pdl(x.device),
         )  # fmt: skip
     else:
         cfg_n, cfg_k = dot_config(n, x.device)
@@ -217,7 +238,7 @@ def gemv(
         _gemv_dot_kernel[(triton.cdiv(n, block_n),)](
             *args, *sizes, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
-            num_warps=num_warps, num_stages=num_stages or 4,
+            num_warps=num_warps, num_stages=num_stages or 4, **pdl(x.device),
         )  # fmt: skip
     return out
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, next_pow2
+from ._common import FLOAT_DTYPES, check, next_pow2, pdl, pdl_sync
 
 
 @triton.jit
@@ -20,7 +20,9 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, num_rows, num_heads, N, eps,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     t = (rows // num_heads)[:, None]  # row -> (token, head) of a (T, H, N) view
     h = (rows % num_heads)[:, None]
@@ -89,7 +91,7 @@ def rms_norm(
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps or max(1, min(16, block_m * block_n // 256)),
+            num_warps=num_warps or max(1, min(16, block_m * block_n // 256)), **pdl(x.device),
         )  # fmt: skip
     if residual is None:
         return out

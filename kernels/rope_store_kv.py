@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, next_pow2
+from ._common import FLOAT_DTYPES, check, next_pow2, pdl, pdl_sync
 
 
 @triton.jit
@@ -46,8 +46,9 @@ def _rope_store_kv_kernel(
     num_heads, num_kv_heads, block_size, stride_t, stride_table,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_sync(USE_PDL)
     half: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -59,25 +60,25 @@ def _rope_store_kv_kernel(
     v_ptr = k_ptr + num_kv_heads * HEAD_DIM
 
     q1, q2 = _norm_rotate(q_ptr, num_heads, cos, sin, qn_ptr, eps, HEAD_DIM, BLOCK_HQ, QK_NORM)
-    h = tl.arange(0, BLOCK_HQ)[:, None]
-    mask = h < num_heads
-    tl.store(q_ptr + h * HEAD_DIM + i, q1.to(qkv_ptr.dtype.element_ty), mask=mask)
-    tl.store(q_ptr + h * HEAD_DIM + half + i, q2.to(qkv_ptr.dtype.element_ty), mask=mask)
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    q_mask = hq < num_heads
+    tl.store(q_ptr + hq * HEAD_DIM + i, q1.to(qkv_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_ptr + hq * HEAD_DIM + half + i, q2.to(qkv_ptr.dtype.element_ty), mask=q_mask)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         k1, k2 = _norm_rotate(k_ptr, num_kv_heads, cos, sin, kn_ptr, eps, HEAD_DIM, BLOCK_HK,
                               QK_NORM)  # fmt: skip
-        h = tl.arange(0, BLOCK_HK)[:, None]
-        mask = h < num_kv_heads
+        hk = tl.arange(0, BLOCK_HK)[:, None]
+        kv_mask = hk < num_kv_heads
         block, offset = slot // block_size, slot % block_size
-        kc = kc_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch
-        tl.store(kc + i, k1.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + half + i, k2.to(kc_ptr.dtype.element_ty), mask=mask)
+        kc = kc_ptr + block * stride_kcb + offset * stride_kcs + hk * stride_kch
+        tl.store(kc + i, k1.to(kc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(kc + half + i, k2.to(kc_ptr.dtype.element_ty), mask=kv_mask)
         d = tl.arange(0, HEAD_DIM)[None, :]
-        v = tl.load(v_ptr + h * HEAD_DIM + d, mask=mask)
-        vc = vc_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch
-        tl.store(vc + d, v, mask=mask)
+        v = tl.load(v_ptr + hk * HEAD_DIM + d, mask=kv_mask)
+        vc = vc_ptr + block * stride_vcb + offset * stride_vcs + hk * stride_vch
+        tl.store(vc + d, v, mask=kv_mask)
 
 
 def rope_store_kv(
@@ -127,6 +128,7 @@ def rope_store_kv(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEAD_DIM=head_dim, BLOCK_HQ=next_pow2(num_heads), BLOCK_HK=next_pow2(num_kv_heads),
             QK_NORM=q_norm is not None, num_warps=4 if num_heads * head_dim >= 2048 else 2,
+            **pdl(qkv.device),
         )  # fmt: skip
     return q
 

@@ -10,11 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check
+from ._common import FLOAT_DTYPES, check, pdl, pdl_sync
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_sync(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -43,7 +45,14 @@ def silu_mul(
     block = block or min(1024, triton.next_power_of_2(inter))
     if num_rows:
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-            x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps or 4
+            x,
+            out,
+            inter,
+            x.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=num_warps or 4,
+            **pdl(x.device),
         )
     return out
 

@@ -182,3 +182,22 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     assert len(seen[0]) == len(seen[1])
     same = sum(a == b for a, b in zip(*seen))
     assert same >= 0.9 * len(seen[0]), (same, len(seen[0]))
+
+
+def test_pdl_on_off_identical(tmp_path, monkeypatch):
+    """Programmatic dependent launch only changes when kernels are scheduled: greedy outputs
+    with it off equal those with it on, at batch 1 (fused decode kernels) and batch 12."""
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=4096)
+    prompts = [[(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TINYSERVE_PDL", flag)
+        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, num_kv_blocks=512)
+        runs = [llm.generate(prompts[:1], params, use_tqdm=False), llm.generate(prompts, params,
+                use_tqdm=False)]  # fmt: skip
+        outs.append([o.outputs[0].token_ids for run in runs for o in run])
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]

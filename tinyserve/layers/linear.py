@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gemv import gemv, gemv_beats_cublas
+from tinyserve.kernels.gemv import gemv, gemv_beats_cublas, norm_prologue_pays
 from tinyserve.layers.activation import silu_and_mul
 
 
@@ -69,7 +69,7 @@ class Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual) for an RMSNorm `norm`; without a residual,
         x itself is the residual stream."""
-        if self._use_gemv(x):
+        if self._use_gemv(x) and norm_prologue_pays(x.shape[1]):
             if residual is None:
                 return gemv(x, self.weight, bias=self.bias, norm=(norm.weight, norm.eps)), x
             res_out = torch.empty_like(x)
