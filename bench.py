@@ -561,12 +561,19 @@ def bench_prefix(args) -> dict:
     def rand_ids(n):
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
-    systems = [rand_ids(sys_len) for _ in range(g)]
-    shared = [(0.0, f"g{i}r{j}", systems[i] + rand_ids(q_len), params)
-              for j in range(r) for i in range(g)]  # fmt: skip
-    unique = [(0.0, f"u{i}", rand_ids(sys_len + q_len), params) for i in range(g * r)]
+    def workloads(k: int) -> dict:
+        systems = [rand_ids(sys_len) for _ in range(g)]
+        shared = [(0.0, f"{k}g{i}r{j}", systems[i] + rand_ids(q_len), params)
+                  for j in range(r) for i in range(g)]  # fmt: skip
+        unique = [(0.0, f"{k}u{i}", rand_ids(sys_len + q_len), params) for i in range(g * r)]
+        return {"shared_prefix": shared, "no_sharing": unique}
+
+    # --repeats R: R fresh sets of each workload (new system prompts: no hit on an earlier set),
+    # run in the same order on both engines; the row reports the median over the sets.
+    sets = [workloads(k) for k in range(args.repeats)]
     rows = {name: {"workload": name, "requests": g * r, "prompt_len": sys_len + q_len,
-                   "output_len": out_len, "max_num_seqs": args.max_num_seqs}
+                   "output_len": out_len, "max_num_seqs": args.max_num_seqs,
+                   "repeats": args.repeats}
             for name in ("shared_prefix", "no_sharing")}  # fmt: skip
     for on in (True, False):
         llm = LLM(path, load_format=load_format, enable_prefix_caching=on, seed=0,
@@ -578,17 +585,17 @@ def bench_prefix(args) -> dict:
         warm = SamplingParams(temperature=0, max_tokens=4)
         drive(engine, [(0.0, f"warm{i}{tag}", head + rand_ids(q_len), warm) for i in range(3)])
         res["device"], res["kv_capacity_tokens"] = engine.config.device, engine.kv_capacity_tokens
-        for name, reqs in (("shared_prefix", shared), ("no_sharing", unique)):
+        for name, reqs in ((name, w[name]) for w in sets for name in w):
             row, trie = rows[name], engine.pool.trie
             q0, h0 = (trie.num_query_tokens, trie.num_hit_tokens) if trie else (0, 0)
             st = drive(engine, [(0.0, rid + tag, ids, p) for _, rid, ids, p in reqs])
             elapsed = st.pop("_elapsed")
-            row[f"ttft_median_s_{tag}"] = _pct(
-                [s["times"][0] - s["arrival"] for s in st.values()], 0.5
-            )
-            row[f"tok_per_s_{tag}"] = len(reqs) * out_len / elapsed
+            ttft = _pct([s["times"][0] - s["arrival"] for s in st.values()], 0.5)
+            row.setdefault(f"ttft_median_s_{tag}_sets", []).append(ttft)
+            row.setdefault(f"tok_per_s_{tag}_sets", []).append(len(reqs) * out_len / elapsed)
             if trie:
-                row["hit_rate"] = (trie.num_hit_tokens - h0) / (trie.num_query_tokens - q0)
+                rate = (trie.num_hit_tokens - h0) / (trie.num_query_tokens - q0)
+                row.setdefault("hit_rate_sets", []).append(rate)
                 bs = engine.pool.block_size
                 theory = (r - 1) * (sys_len // bs * bs) / (r * (sys_len + q_len))
                 row["hit_rate_theory"] = theory if name == "shared_prefix" else 0.0
@@ -596,13 +603,16 @@ def bench_prefix(args) -> dict:
         llm = engine = None
         _free_gpu()
     for row in rows.values():
+        for key in [k for k in row if k.endswith("_sets")]:
+            row[key[: -len("_sets")]] = _pct(row[key], 0.5)
         row["ttft_speedup"] = row["ttft_median_s_off"] / row["ttft_median_s_on"]
         row["throughput_ratio"] = row["tok_per_s_on"] / row["tok_per_s_off"]
         res["rows"].append(row)
         print(row, flush=True)
-    res["rows"].append(_long_context(path, load_format, args.long_budget, n_streams, long_len,
-                                     rand_ids))  # fmt: skip
-    print(res["rows"][-1], flush=True)
+    if args.long_budget:  # 0: skip the long-context run
+        res["rows"].append(_long_context(path, load_format, args.long_budget, n_streams,
+                                         long_len, rand_ids))  # fmt: skip
+        print(res["rows"][-1], flush=True)
     return res
 
 
@@ -993,8 +1003,9 @@ def main() -> None:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--small", action="store_true", help="prefix: the CPU sizes")
     p.add_argument("--max-num-seqs", type=int, default=512, help="prefix: the engine's cap")
+    p.add_argument("--repeats", type=int, default=1, help="prefix: fresh workload sets per engine")
     p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
-                   "of the long-context run")  # fmt: skip
+                   "of the long-context run (0: skip it)")  # fmt: skip
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
     p.add_argument("--api-key", default=None, help="serve: bearer key, if the server has one")
     p.add_argument("--num-prompts", type=int, default=128, help="serve: requests per run")
