@@ -616,6 +616,40 @@ def bench_prefix(args) -> dict:
     return res
 
 
+def bench_pool(args) -> dict:
+    """Host cost of the block pool per KV block, prefix cache on vs off, for prompts that share
+    nothing (the no-sharing workload's bookkeeping): 256 prompts of 1,024 tokens, each matched,
+    allocated (evicting cached blocks once the pool is full), committed and freed."""
+    import random
+
+    from tinyserve.block_pool import BlockPool
+    from tinyserve.sampling import SamplingParams
+    from tinyserve.sequence import Sequence
+
+    rng, res = random.Random(0), {"rows": []}
+    for cache in (True, False):
+        pool, times = BlockPool(20000, 16, enable_prefix_caching=cache), []
+        for _ in range(6):
+            seqs = [
+                Sequence(i, str(i), 0, ids, len(ids), SamplingParams(), 0, 16, 1 << 20)
+                for i in range(256)
+                for ids in [[rng.randrange(2000) for _ in range(1024)]]
+            ]
+            t = time.perf_counter()
+            for seq in seqs:
+                pool.match_prefix(seq)
+                pool.may_append(seq, seq.num_tokens)
+                seq.num_kv_computed = seq.num_tokens
+                pool.commit(seq)
+            for seq in seqs:
+                pool.free_seq(seq)
+            times.append(time.perf_counter() - t)
+        us = min(times[1:]) / (256 * 64) * 1e6  # the first pass fills the pool, then it evicts
+        res["rows"].append({"prefix_caching": cache, "us_per_block": round(us, 3)})
+        print(res["rows"][-1], flush=True)
+    return res
+
+
 def _long_context(path, load_format, budget, n_streams, long_len, rand_ids) -> dict:
     """Streams decode; a long prompt arrives: ITL p99 while it is chunked vs the median before,
     and its TTFT vs the same prompt on the idle engine."""
@@ -979,7 +1013,7 @@ def _probe_health(url: str, hz: float, stop, out) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("workload", choices=["cpu", "kernels", "prefix", "e2e", "serve", "spec"])
+    p.add_argument("workload", choices=["cpu", "kernels", "prefix", "e2e", "serve", "spec", "pool"])
     p.add_argument(
         "--spec-k",
         type=int,
@@ -1020,7 +1054,7 @@ def main() -> None:
     p.add_argument("--health-hz", type=float, default=20, help="serve: /health probe rate")
     args = p.parse_args()
     run = {"cpu": bench_cpu, "kernels": bench_kernels, "prefix": bench_prefix, "e2e": bench_e2e,
-           "serve": bench_serve, "spec": bench_spec}  # fmt: skip
+           "serve": bench_serve, "spec": bench_spec, "pool": bench_pool}  # fmt: skip
     run = run[args.workload]
     result = run(args)
     res = {"workload": args.workload, "commit": git_commit(), "machine": platform.processor()

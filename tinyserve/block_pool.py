@@ -97,6 +97,8 @@ class BlockPool:
     def block_extra(self, seq: Sequence, i: int) -> tuple:
         """Extra key of block i: the cache salt (first block only: it isolates the whole
         subtree) and the content hashes of media spans overlapping the block."""
+        if not (seq.mm_spans or self.key_next_token or (i == 0 and seq.cache_salt)):
+            return ()  # the common case, per block on every commit and prefix match
         lo, hi = i * self.block_size, (i + 1) * self.block_size
         media = tuple(h for start, end, h in seq.mm_spans if start < hi and end > lo)
         nxt = (seq.token_ids[hi],) if self.key_next_token else ()
@@ -113,7 +115,7 @@ class BlockPool:
             return 0
         bs = self.block_size
         tokens = seq.token_ids[: seq.num_tokens - 1]
-        path = self.trie.match(tokens, [self.block_extra(seq, i) for i in range(len(tokens) // bs)])
+        path = self.trie.match(tokens, lambda i: self.block_extra(seq, i))
         num = len(path)
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1

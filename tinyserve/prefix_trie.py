@@ -11,6 +11,7 @@ least recently used first. No tensors here.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -25,10 +26,11 @@ class Node:
     extra: tuple
     block_id: int
     parent: Node | None
+    key_hash: int  # hash_key(token_ids, extra), kept so eviction need not hash again
     children: dict[int, list[Node]] = field(default_factory=dict)  # hash -> nodes (collisions)
 
-    def find(self, token_ids: tuple[int, ...], extra: tuple) -> Node | None:
-        for node in self.children.get(hash_key(token_ids, extra), ()):
+    def find(self, key_hash: int, token_ids: tuple[int, ...], extra: tuple) -> Node | None:
+        for node in self.children.get(key_hash, ()):
             if node.token_ids == token_ids and node.extra == extra:  # verify, never trust a hash
                 return node
         return None
@@ -37,7 +39,7 @@ class Node:
 class PrefixTrie:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.root = Node((), (), -1, None)
+        self.root = Node((), (), -1, None, 0)
         self.nodes: dict[int, Node] = {}  # block id -> node, for every cached block
         # Unreferenced cached blocks, least recently used first (the eviction order).
         self.evictable: OrderedDict[int, Node] = OrderedDict()
@@ -51,11 +53,13 @@ class PrefixTrie:
     def num_evictable(self) -> int:
         return len(self.evictable)
 
-    def match(self, token_ids: list[int], extras: list[tuple]) -> list[Node]:
-        """Longest chain of cached full blocks that prefixes `token_ids` (extras: one per block)."""
+    def match(self, token_ids: list[int], extra_of: Callable[[int], tuple]) -> list[Node]:
+        """Longest chain of cached full blocks that prefixes `token_ids`; `extra_of(i)` is block
+        i's extra key (asked only up to the first miss)."""
         bs, node, path = self.block_size, self.root, []
         for i in range(len(token_ids) // bs):
-            child = node.find(tuple(token_ids[i * bs : (i + 1) * bs]), extras[i])
+            key, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_of(i)
+            child = node.find(hash_key(key, extra), key, extra)
             if child is None:
                 break
             path.append(child)
@@ -70,12 +74,13 @@ class PrefixTrie:
         caller's block stays private and is freed normally."""
         parent = parent or self.root
         key = tuple(token_ids)
-        node = parent.find(key, extra)
+        key_hash = hash_key(key, extra)
+        node = parent.find(key_hash, key, extra)
         if node is not None:
             return node
         assert block_id not in self.nodes, f"block {block_id} cached twice"
-        node = Node(key, extra, block_id, parent)
-        parent.children.setdefault(hash_key(key, extra), []).append(node)
+        node = Node(key, extra, block_id, parent, key_hash)
+        parent.children.setdefault(key_hash, []).append(node)
         self.nodes[block_id] = node
         return node
 
@@ -95,10 +100,10 @@ class PrefixTrie:
         block_id, node = next((b, n) for b, n in self.evictable.items() if not n.children)
         del self.evictable[block_id]
         del self.nodes[block_id]
-        siblings = node.parent.children[hash_key(node.token_ids, node.extra)]
+        siblings = node.parent.children[node.key_hash]
         siblings.remove(node)
         if not siblings:
-            del node.parent.children[hash_key(node.token_ids, node.extra)]
+            del node.parent.children[node.key_hash]
         return block_id
 
     def check_invariants(self, ref_counts: list[int]) -> None:
