@@ -111,6 +111,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
+        self._num_token_value_requests = 0  # requests with penalties, kept by step()
         self._new: deque[Request] = deque()
         self._aborted: deque[str] = deque()
         self._rng = random.Random(config.seed)
@@ -195,6 +196,7 @@ class LLMEngine:
         while self._new:
             req = self._new.popleft()
             self.requests[req.request_id] = req
+            self._num_token_value_requests += _needs_token_values(req.params)
             for seq in req.seqs:
                 self.scheduler.add(seq)
         while self._aborted:
@@ -220,7 +222,7 @@ class LLMEngine:
             if batch is not None:
                 self._post_process(self._launch(batch, overlap=False), deltas)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
-            del self.requests[rid]
+            self._num_token_value_requests -= _needs_token_values(self.requests.pop(rid).params)
         return list(deltas.values())
 
     def _can_overlap(self) -> bool:
@@ -228,8 +230,7 @@ class LLMEngine:
         speculation (drafts depend on what was accepted) nor penalties (they count tokens)."""
         if not self.config.async_scheduling or self.num_speculative_tokens:
             return False
-        seqs = self.scheduler.running + list(self.scheduler.waiting)
-        return not any(_needs_token_values(s.params) for s in seqs)
+        return self._num_token_value_requests == 0  # O(1): this runs every step
 
     def _launch(self, batch: ScheduledBatch, overlap: bool) -> InFlight:
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
@@ -364,5 +365,7 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        recount = sum(_needs_token_values(r.params) for r in self.requests.values())
+        assert self._num_token_value_requests == recount, "penalty request count drifted"
         if not self.scheduler.has_work:
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"
