@@ -74,21 +74,22 @@ def decode_attention_ref(
     poison the sum) and are masked out of the softmax."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    slots, mask = _decode_gather(md, k_cache.shape[1])  # (B*L,), (B, 1, 1, L)
+    slots, valid = _decode_gather(md, k_cache.shape[1])  # (B*L,), (B, 1, 1, L) bool
     k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
     v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-    k = k.view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # (B, Hkv, D, L)
-    v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
-    # GQA without repeating K/V: query head h reads kv head h // group.
+    k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
+    v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # GQA without repeating K/V: the G query heads of kv head h are its "query tokens". SDPA's
+    # fused CPU kernel: 1.1 vs 2.0 ms a layer for matmul-softmax-matmul (SmolLM2, batch 32,
+    # 608 keys, bf16, 2 cores).
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
-    scores = torch.matmul(q, k).float() * scale + mask  # (B, Hkv, G, L)
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat cache slots (B*L,) and the additive mask (B, 1, 1, L) of a decode step; computed
-    by the first layer and shared by the others (they read the same positions)."""
+    """Flat cache slots (B*L,) and the mask of valid keys (B, 1, 1, L) of a decode step;
+    computed by the first layer and shared by the others (they read the same positions)."""
     if md.decode_gather is None:
         num_blocks = -(-md.max_context_len // block_size)
         pos = torch.arange(num_blocks * block_size, device=md.block_tables.device)  # (L,)
@@ -96,8 +97,7 @@ def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor
         pos = torch.where(valid, pos[None, :], 0)
         blocks = md.block_tables.long().gather(1, pos // block_size)
         slots = (blocks * block_size + pos % block_size).flatten()
-        mask = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
-        md.decode_gather = (slots, mask[:, None, None, :])
+        md.decode_gather = (slots, valid[:, None, None, :])
     return md.decode_gather
 
 
