@@ -119,9 +119,9 @@ class BlockPool:
         num = len(path)
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1
-        for node in path[:num]:
-            self._ref(node.block_id)
-        seq.block_table = [node.block_id for node in path[:num]]
+        for block_id in path[:num]:
+            self._ref(block_id)
+        seq.block_table = path[:num]
         seq.num_kv_computed = seq.kv_token_limit = num * bs
         seq.num_committed_blocks = num
         seq.trie_node = path[num - 1] if num else None
@@ -136,12 +136,12 @@ class BlockPool:
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             own = seq.block_table[i]
             node = self.trie.insert(seq.trie_node, tokens, self.block_extra(seq, i), own)
-            if node.block_id != own:
+            if node != own:
                 # An equal block was committed first (same prefix computed concurrently): share
                 # it and drop our copy, so this sequence's cursor always stays referenced.
-                self._ref(node.block_id)
+                self._ref(node)
                 self.free([own])
-                seq.block_table[i] = node.block_id
+                seq.block_table[i] = node
             seq.trie_node = node
         seq.num_committed_blocks = max(seq.num_committed_blocks, seq.num_kv_computed // bs)
 
