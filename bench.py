@@ -5,6 +5,14 @@ Workloads:
         `generate` on the same prompts, with this machine's measured copy and GEMM ceilings.
   kernels  (CUDA) each Triton kernel in kernels/ vs its torch version (eager, torch.compile)
         at real shapes, timed as CUDA-graph replays, as GB/s and a fraction of the copy rate.
+  e2e   (CUDA) the engine on model shapes with dummy weights (--model qwen3-0.6b ...): latency
+        (batch 1), nano-vllm, decode-heavy, prefill-heavy, batch 64 vs transformers (--workloads).
+  prefix  prefix caching on vs off (shared prefix, no sharing; --repeats fresh sets) and the
+        long-context interleaving run (--long-budget; 0 skips it). --small: the CPU sizes.
+  spec  speculative decoding: n-gram on edit prompts (CPU), or MTP on --model mimo-7b with
+        acceptance forced to 0..k (GPU).
+  pool  the block pool's host cost per KV block, prefix caching on vs off, and the objects the
+        cyclic GC tracks with the cache full.
   serve  an online client against a running `tinyserve run` (--url): request-rate and
         concurrency sweeps over random or fixed lengths; TTFT, TPOT, ITL (median, p99) and
         throughput as vLLM defines them, and /health latency probed during the run.
