@@ -282,3 +282,26 @@ def test_multi_token_append_crosses_blocks_and_trim_releases_lookahead():
     assert not pool.can_append(seq, 16 * 4)
     pool.free_seq(seq)
     assert pool.num_free_blocks == 16
+
+
+def test_cached_blocks_add_nothing_for_the_cyclic_gc():
+    """A large cache must not be a large heap for Python's cyclic GC to walk on every full
+    collection (one object per node cost 123 ms of GC per no-sharing set; see BENCHMARKS)."""
+    import gc
+
+    pool = BlockPool(4096, 4)
+    seqs = [make_seq(range(1000 * i, 1000 * i + 64)) for i in range(64)]  # 16 blocks each
+    gc.collect()
+    gc.collect()
+    before = len(gc.get_objects())
+    for seq in seqs:
+        pool.match_prefix(seq)
+        pool.may_append(seq, seq.num_tokens)
+        seq.num_kv_computed = seq.num_tokens
+        pool.commit(seq)
+        pool.free_seq(seq)
+    assert len(pool.trie.nodes) == 64 * 16
+    seqs = seq = None
+    gc.collect()
+    gc.collect()  # a tuple is untracked once the tuples inside it are
+    assert len(gc.get_objects()) - before < 50  # not one (or three) per cached block
