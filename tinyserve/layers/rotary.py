@@ -119,11 +119,8 @@ class RotaryEmbedding(nn.Module):
         # Non-persistent: never in a checkpoint. Kept float32; don't .to(bf16) the model.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin (T, D/2) float32."""
-        return self.cos_sin_cache[positions].chunk(2, dim=-1)
-
     def bind(self, positions: torch.Tensor) -> BoundRotary:
+        """The rotation at `positions` (T,) for one forward (the module has no forward)."""
         return BoundRotary(positions, self.cos_sin_cache)
 
 
