@@ -148,3 +148,34 @@ def test_shared_prefixes_computed_once_with_the_overlapped_loop(model_dir, overl
         engine.step()
     engine.check_invariants()
     assert engine.pool.trie.num_hit_tokens == groups * (per_group - 1) * sys_len
+
+
+def with_replayed_graphs(llm):
+    """The runner's CUDA-graph path on the CPU: DecodeGraphs with capture=False replays its
+    static-buffer forward eagerly (same packed inputs, in-graph gather and argmax)."""
+    from tinyserve.graphs import DecodeGraphs
+
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(r.model, r.config.max_num_seqs, r.max_blocks_per_seq,
+                            r.num_kv_blocks, r.block_size, capture=False)  # fmt: skip
+    return llm
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_graph_path_gives_the_eager_outputs(model_dir, greedy_only, overlap):
+    """Decode steps through the graph path: inputs from one packed buffer, the previous step's
+    tokens gathered inside the replay, greedy rows taking the replay's own argmax, others
+    sampled from its logits; padded rows must not disturb real ones."""
+    prompts, params = workload(1)
+    if greedy_only:
+        params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                                 stop_token_ids=p.stop_token_ids) for p in params]  # fmt: skip
+    want = outputs(make_llm(model_dir, async_scheduling=False), prompts, params)
+    llm = with_replayed_graphs(make_llm(model_dir, async_scheduling=overlap, max_num_seqs=16))
+    got = outputs(llm, prompts, params)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g[2] or [], w[2] or []):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert llm.engine.runner.graphs.num_replays > 10

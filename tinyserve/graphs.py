@@ -1,10 +1,14 @@
 """CUDA graphs for decode batches: one graph per padded batch size, captured once at start-up.
 
 A decode step of a small model is a few hundred tiny kernel launches; replaying them as one graph
-removes the launch gaps. Inputs live in static buffers that each step overwrites; padded rows
-write their KV into a scratch block (the last block of the cache, never handed out by the pool)
-and attend to it only, so they cannot disturb real sequences. `query_len` > 1 captures the
-speculative verify step: every row runs its last token plus k drafts (k + 1 queries).
+removes the launch gaps. The step's host work around the replay is kept to two host-to-device
+copies and the read-back: every per-token input lives in one static int64 buffer written by a
+single copy, the previous step's sampled ids are gathered from that buffer inside the graph (the
+overlapped loop's inputs), and the graph ends with the greedy argmax into the same buffer.
+
+Padded rows write their KV into a scratch block (the last block of the cache, never handed out by
+the pool) and attend to it only, so they cannot disturb real sequences. `query_len` > 1 captures
+the speculative verify step: every row runs its last token plus k drafts (k + 1 queries).
 """
 
 from __future__ import annotations
@@ -26,24 +30,33 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
                       device: torch.device) -> int:  # fmt: skip
     """Split count of a decode step, a function of the padded batch size only."""
+    if device.type != "cuda":
+        return 1
     from tinyserve.kernels.decode_attention import default_num_splits
 
     return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
 
 
 class DecodeGraphs:
+    """`capture=False` replays by running the same static-buffer forward eagerly: the CPU tests
+    drive the runner's graph path with it (there are no CUDA graphs on the CPU)."""
+
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 block_size: int, query_len: int = 1, pool=None) -> None:  # fmt: skip
+                 block_size: int, query_len: int = 1, pool=None,
+                 capture: bool = True) -> None:  # fmt: skip
         dev = next(model.parameters()).device
         self.model = model
         self.query_len = q = query_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
-        self.input_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n * q,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.context_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
+        # One int64 buffer: the last step's sampled ids (n * q), then a replay's inputs, laid
+        # out per padded size bs (m = bs * q): ids (m), gather index (m), positions (m), slots
+        # (m), context lengths (bs). The graph's input ids are buffer[gather]: a host-known id
+        # points at its own entry, a token still on the device at the previous step's row.
+        self.base = n * q
+        self.buffer = torch.zeros(self.base + 4 * n * q + n, dtype=torch.long, device=dev)
+        self.last_sampled = self.buffer[: self.base]
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
@@ -55,47 +68,57 @@ class DecodeGraphs:
             m.num_kv_heads for m in model.modules() if hasattr(m, "num_kv_heads")
         )
         self.max_len = max_blocks_per_seq * block_size
+        self.capture = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (hidden, logits)
+        self.metadata: dict[int, AttentionMetadata] = {}  # bs -> what the captured graph reads
+        if not capture:
+            return
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            md = self._metadata(bs)
-            with forward_context(md):
-                self._run(bs)  # warm-up: Triton compiles and autotunes outside the capture
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self._run(bs)
+            self._run(bs)  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
         self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        q, dev = self.query_len, self.input_ids.device
-        decode = q == 1
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[: bs * q],
+    def _fields(self, bs: int) -> list[torch.Tensor]:
+        """Views of the buffer for padded size bs: ids, gather, positions, slots, context lens."""
+        m = bs * self.query_len
+        return list(self.buffer[self.base : self.base + 4 * m + bs].split([m, m, m, m, bs]))
+
+    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, gather, positions, slots, ctx = self._fields(bs)
+        m, decode = bs * self.query_len, self.query_len == 1
+        md = AttentionMetadata(
+            slot_mapping=slots,
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            context_lens=self.context_lens[:bs],
-            query_lens_cpu=[q] * bs,
+            context_lens=ctx.to(torch.int32),
+            query_lens_cpu=[self.query_len] * bs,
             context_lens_cpu=[],  # unknown at capture: the kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
             is_decode_only=decode,
             num_splits=decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
-                                         dev) if decode else None,
+                                         self.buffer.device) if decode else None,
         )  # fmt: skip
-
-    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = bs * self.query_len
-        hidden = self.model(self.input_ids[:n], self.positions[:n])
-        return hidden, self.model.compute_logits(hidden)
+        self.metadata[bs] = md
+        with forward_context(md):
+            hidden = self.model(self.buffer[gather], positions)
+        logits = self.model.compute_logits(hidden)
+        # The greedy tokens, where the next step's gather finds them (it reads them before
+        # this write: the gather is the replay's first kernel).
+        torch.argmax(logits, dim=-1, out=self.last_sampled[:m])
+        return hidden, logits
 
     def capture_drafts(self, draft_tokens) -> None:
         """Capture `draft_tokens` (the runner's MTP drafting) per padded batch size, reading this
         graph set's static inputs and outputs, so a verify step drafts without eager launches.
         Padded rows own no KV slots (limit 0): their chained drafts write the scratch slot."""
-        n, q, dev = self.sizes[-1], self.query_len, self.input_ids.device
+        n, q, dev = self.sizes[-1], self.query_len, self.buffer.device
         self.next_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
         self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
         self.limits = torch.zeros(n, dtype=torch.long, device=dev)
@@ -103,13 +126,13 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = self.pool
         for bs in reversed(self.sizes):
-            md = self._metadata(bs)
+            md, positions = self.metadata[bs], self._fields(bs)[2]
 
-            def run(bs=bs, md=md) -> torch.Tensor:
+            def run(bs=bs, md=md, positions=positions) -> torch.Tensor:
                 chosen = self.seg_starts[:bs] + self.accepted[:bs]
-                return draft_tokens(md, self.positions[: bs * q], self.outputs[bs][0],
-                                    self.next_ids[: bs * q], chosen, self.block_tables[:bs],
-                                    self.limits[:bs], None)  # fmt: skip
+                return draft_tokens(md, positions, self.outputs[bs][0], self.next_ids[: bs * q],
+                                    chosen, self.block_tables[:bs], self.limits[:bs],
+                                    None)  # fmt: skip
 
             run()  # warm-up outside the capture
             torch.cuda.synchronize(dev)
@@ -137,22 +160,35 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def run(self, input_ids, positions, slot_mapping, context_lens, block_tables
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
+            context_lens: list[int], tables: list[list[int]],
+            pending: tuple[list[int], list[int]] = ((), ())
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Inputs are device tensors of the real batch (B rows of query_len tokens); returns
-        hidden (B * query_len, H) and logits (B * query_len, V)."""
-        b, q = context_lens.shape[0], self.query_len
+        """Host inputs of the real batch (B rows of query_len tokens; `tables` rows of one
+        width); `pending` (dst, src): input dst is the previous step's sampled row src, which
+        `last_sampled` holds. Returns hidden (B * query_len, H) and logits (B * query_len, V);
+        `last_sampled` then holds the greedy tokens."""
+        b, q = len(context_lens), self.query_len
         bs = next(s for s in self.sizes if s >= b)
-        self.input_ids[: b * q].copy_(input_ids)
-        self.positions[: b * q].copy_(positions)
-        self.slot_mapping[: b * q].copy_(slot_mapping)
-        self.slot_mapping[b * q : bs * q].fill_(self.scratch_slot)
-        self.context_lens[:b].copy_(context_lens)
-        self.context_lens[b:bs].fill_(q)
-        # Columns past `width` and padded rows may hold stale ids: only read (never written)
+        pad = (bs - b) * q
+        gather = list(range(self.base, self.base + bs * q))
+        for d, s in zip(*pending):
+            gather[d] = s
+        host = (input_ids + [0] * pad + gather + positions + [0] * pad + slots
+                + [self.scratch_slot] * pad + context_lens + [q] * (bs - b))  # fmt: skip
+        pin = self.buffer.is_cuda
+        self.buffer[self.base : self.base + len(host)].copy_(
+            torch.tensor(host, dtype=torch.long, pin_memory=pin), non_blocking=True
+        )
+        # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
-        self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
-        self.graphs[bs].replay()
+        self.block_tables[:b, : len(tables[0])].copy_(
+            torch.tensor(tables, dtype=torch.int32, pin_memory=pin), non_blocking=True
+        )
+        if self.capture:
+            self.graphs[bs].replay()
+        else:
+            self.outputs[bs] = self._run(bs)
         self.num_replays += 1
         hidden, logits = self.outputs[bs]
         return hidden[: b * q], logits[: b * q]

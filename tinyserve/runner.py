@@ -16,7 +16,7 @@ import torch
 from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
-from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
 from tinyserve.sequence import PLACEHOLDER
 from tinyserve.spec_decode import accepted_counts
@@ -40,29 +40,53 @@ class SeqOutput:
 
 
 @dataclass(slots=True)
+class HostInputs:
+    """One step's inputs as host lists, before any copy to the device."""
+
+    input_ids: list[int]  # (T,) 0 where the token is still on the device (`dst`)
+    positions: list[int]  # (T,)
+    slots: list[int]  # (T,) KV cache slot of each token
+    cu_q: list[int]  # (B + 1,) query offsets
+    ctx_lens: list[int]  # (B,) KV length of each row including this step
+    tables: list[list[int]]  # (B, W) block tables padded with 0 to one width
+    q_lens: list[int]  # (B,)
+    logits_idx: list[int]  # token index of each logits row (R,)
+    seg_starts: list[int]  # first logits row of each sampling sequence (S,)
+    draft_next: list[int]  # (R,) draft for the position after each row, -1 if none
+    next_ids: list[int]  # (T,) token after each position where known (MTP's input)
+    limits: list[int]  # (S,) KV slots owned by each sampling sequence
+    sample_rows: list[int]  # (S,) batch row of each sampling sequence
+    dst: list[int]  # input positions whose token the previous step sampled ...
+    src: list[int]  # ... and its sampled row there
+
+    @property
+    def spec(self) -> bool:
+        return len(self.draft_next) > len(self.seg_starts)  # some row carries drafts
+
+
+@dataclass(slots=True)
 class StepInputs:
-    """Device inputs of one step, plus the host lists that slice its outputs."""
+    """Device inputs of one step (the eager forward, and the speculative / MTP bookkeeping)."""
 
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     metadata: AttentionMetadata
-    logits_idx: list[int]  # token index of each logits row (R,)
-    seg_starts: list[int]  # first logits row of each sampling sequence (S,)
-    idx: torch.Tensor  # logits_idx on the device
-    next_ids: torch.Tensor | None  # (T,) token after each position where known (MTP input)
-    draft_next: torch.Tensor | None  # (R,) draft for the position after each row, -1 if none
-    # Only speculative or MTP steps read these (no host-to-device copies otherwise):
-    seg_starts_dev: torch.Tensor | None  # (S,)
-    seg_ids: torch.Tensor | None  # (R,) sampling sequence of each logits row
-    kv_limits: torch.Tensor | None  # (S,) KV slots owned by each sampling sequence
+    idx: torch.Tensor  # (R,) logits_idx
+    next_ids: torch.Tensor | None  # (T,) MTP only
+    draft_next: torch.Tensor | None  # (R,) speculative steps only
+    seg_starts: torch.Tensor | None  # (S,) speculative or MTP steps
+    seg_ids: torch.Tensor | None  # (R,) sampling sequence of each logits row; speculative
+    kv_limits: torch.Tensor | None  # (S,) MTP only
     max_kv_limit: int
-    sample_rows: torch.Tensor | None  # (S,) batch row of each sampling sequence
-    pending: tuple[torch.Tensor, torch.Tensor] | None  # (batch positions, previous rows)
+    sample_rows: torch.Tensor | None  # (S,) MTP only
+    pending: tuple[torch.Tensor, torch.Tensor] | None  # (dst, src)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.device.type == "cpu":
-        return t
+    if t is None:
+        return None
+    if t.device.type == "cpu":  # a copy still: `t` may be a view the next step overwrites
+        return t.clone()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
 
@@ -102,6 +126,20 @@ class PendingStep:
                 row_outs.append(out)
             outs.append(SeqOutput(row_outs, drafted))
         return outs
+
+
+def _plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Rows whose token is the plain argmax of the logits: greedy, nothing that changes the
+    logits (bias, penalties, the min_tokens stop mask) and no logprobs."""
+    for row in rows:
+        p = row.params
+        if not p.is_greedy or p.logprobs is not None or p.logit_bias:
+            return False
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            return False
+        if row.num_output_tokens < p.min_tokens:
+            return False
+    return True
 
 
 def _lengths(starts: list[int], total: int) -> list[int]:
@@ -176,7 +214,7 @@ class ModelRunner:
             )
         return int(budget // self.kv_bytes_per_block)
 
-    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def _prepare(self, batch: ScheduledBatch) -> HostInputs:
         bs = self.block_size
         input_ids: list[int] = []
         next_ids: list[int] = []  # the token after each position where known (MTP's input)
@@ -243,66 +281,64 @@ class ModelRunner:
                 draft_next += drafts[: n - 1] + [-1]
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        dev = self.device
+        return HostInputs(input_ids, positions, slots, cu_q, ctx_lens, tables,
+                          list(batch.num_new_tokens), logits_idx, seg_starts, draft_next,
+                          next_ids, limits, sample_rows, dst, src)  # fmt: skip
 
-        def t(x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(
-                dev, non_blocking=True
-            )
+    def _tensor(self, x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        pin = self.device.type == "cuda"  # pinned, so the copy is async
+        return torch.tensor(x, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
-        q_lens = batch.num_new_tokens
+    def _device_inputs(self, h: HostInputs) -> StepInputs:
+        t = self._tensor
         md = AttentionMetadata(
-            slot_mapping=t(slots),
-            block_tables=t(tables, torch.int32),
-            cu_seqlens_q=t(cu_q, torch.int32),
-            context_lens=t(ctx_lens, torch.int32),
-            query_lens_cpu=list(q_lens),
-            context_lens_cpu=ctx_lens,
-            max_context_len=max(ctx_lens),
-            is_decode_only=all(n == 1 for n in q_lens),
+            slot_mapping=t(h.slots),
+            block_tables=t(h.tables, torch.int32),
+            cu_seqlens_q=t(h.cu_q, torch.int32),
+            context_lens=t(h.ctx_lens, torch.int32),
+            query_lens_cpu=h.q_lens,
+            context_lens_cpu=h.ctx_lens,
+            max_context_len=max(h.ctx_lens),
+            is_decode_only=all(n == 1 for n in h.q_lens),
         )
-        if md.is_decode_only and dev.type == "cuda":
+        if md.is_decode_only and self.device.type == "cuda":
             from tinyserve.graphs import decode_num_splits
 
             mc = self.model_config
             md.num_splits = decode_num_splits(
-                len(q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
-                self.max_blocks_per_seq * self.block_size, dev,
+                len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
+                self.max_blocks_per_seq * self.block_size, self.device,
             )  # fmt: skip
-        spec = len(draft_next) > len(seg_starts)  # some row carries drafts
-        mtp = self.mtp is not None
-        seg_ids = [s for s, n in enumerate(_lengths(seg_starts, len(logits_idx))) for _ in range(n)]
+        spec, mtp = h.spec, self.mtp is not None
+        lengths = _lengths(h.seg_starts, len(h.logits_idx))
+        seg_ids = [s for s, n in enumerate(lengths) for _ in range(n)] if spec else []
         return StepInputs(
-            input_ids=t(input_ids),
-            positions=t(positions),
+            input_ids=t(h.input_ids),
+            positions=t(h.positions),
             metadata=md,
-            logits_idx=logits_idx,
-            seg_starts=seg_starts,
-            idx=t(logits_idx),
-            next_ids=t(next_ids) if self.mtp is not None else None,
-            draft_next=t(draft_next) if spec else None,
-            seg_starts_dev=t(seg_starts) if spec or mtp else None,
+            idx=t(h.logits_idx),
+            next_ids=t(h.next_ids) if mtp else None,
+            draft_next=t(h.draft_next) if spec else None,
+            seg_starts=t(h.seg_starts) if spec or mtp else None,
             seg_ids=t(seg_ids) if spec else None,
-            kv_limits=t(limits) if mtp else None,
-            max_kv_limit=max(limits, default=0),
-            sample_rows=t(sample_rows) if mtp else None,
-            pending=(t(dst), t(src)) if dst else None,
+            kv_limits=t(h.limits) if mtp else None,
+            max_kv_limit=max(h.limits, default=0),
+            sample_rows=t(h.sample_rows) if mtp else None,
+            pending=(t(h.dst), t(h.src)) if h.dst else None,
         )
 
-    def _forward(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None, object]:
-        """hidden (T, H) and, when a CUDA graph ran, logits of all T tokens and its graphs."""
-        md = x.metadata
-        q_lens = md.query_lens_cpu
-        graphs = self.graphs if md.is_decode_only else None
-        if self.verify_graphs is not None and len(set(q_lens)) == 1:
-            if q_lens[0] == self.verify_graphs.query_len and len(x.logits_idx) == len(x.input_ids):
-                graphs = self.verify_graphs  # every row verifies k drafts
-        if graphs is not None and graphs.can_run(len(q_lens)):
-            hidden, logits = graphs.run(x.input_ids, x.positions, md.slot_mapping,
-                                        md.context_lens, md.block_tables)  # fmt: skip
-            return hidden, logits, graphs
-        with forward_context(md):
-            return self.model(x.input_ids, x.positions), None, None
+    def _graphs_for(self, h: HostInputs):
+        """The graph set that runs this step, or None (eager): decode-only batches, and verify
+        steps where every row runs k drafts."""
+        if self.graphs is None or not self.graphs.can_run(len(h.q_lens)):
+            return None
+        if all(n == 1 for n in h.q_lens):
+            return self.graphs
+        v = self.verify_graphs
+        if v is not None and len(set(h.q_lens)) == 1 and h.q_lens[0] == v.query_len:
+            if len(h.logits_idx) == len(h.input_ids) and not h.dst:
+                return v
+        return None
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, rows: list[SamplingRow],
@@ -313,39 +349,57 @@ class ModelRunner:
 
         Token ids still PLACEHOLDER on the host (sampled by `prev`, not read back yet) are
         taken from `prev`'s sampled ids on the device (`seq.pending_row`), so this step can be
-        launched before the previous one finished.
+        launched before the previous one finished. A graph step gathers them from
+        `graphs.last_sampled`, which therefore receives every step's sampled ids.
         """
-        x = self._prepare(batch)
-        if x.pending is not None:  # the overlapped loop: inputs sampled by the previous step
-            dst, src = x.pending
-            x.input_ids[dst] = prev.sampled[src]
-        hidden, all_logits, graphs = self._forward(x)
-        if not x.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
+        h = self._prepare(batch)
+        graphs = self._graphs_for(h)
+        # Plain graph steps copy nothing else to the device: the graph reads its own buffer.
+        x = self._device_inputs(h) if graphs is None or h.spec or self.mtp is not None else None
+        if graphs is not None:
+            hidden, all_logits = graphs.run(h.input_ids, h.positions, h.slots, h.ctx_lens,
+                                            h.tables, (h.dst, h.src))  # fmt: skip
+        else:
+            if x.pending is not None:  # the overlapped loop: inputs sampled by `prev`
+                dst, src = x.pending
+                x.input_ids[dst] = prev.sampled[src]
+            with forward_context(x.metadata):
+                hidden, all_logits = self.model(x.input_ids, x.positions), None
+        if not h.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
             if self.mtp is not None:
                 self._mtp_first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
             return PendingStep([], rows)
+        assert len(rows) == len(h.logits_idx)
+        every_row = len(h.logits_idx) == len(h.input_ids)
+        idx = x.idx if x is not None else None if every_row else self._tensor(h.logits_idx)
         if all_logits is not None:
-            logits = all_logits if len(x.logits_idx) == len(x.input_ids) else all_logits[x.idx]
+            logits = all_logits if every_row else all_logits[idx]
         else:
-            logits = self.model.compute_logits(hidden[x.idx])  # (R, V) float32
-        assert len(rows) == len(x.logits_idx)
-        self._mask_stop_tokens(logits, rows)
-        result = sample(logits, SamplingTensors.build(rows, logits.shape[-1], self.device))
+            logits = self.model.compute_logits(hidden[idx])  # (R, V) float32
+        if graphs is self.graphs is not None and every_row and _plain_greedy(rows):
+            # The graph's own argmax is exactly what `sample` would compute.
+            result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
+        else:
+            self._mask_stop_tokens(logits, rows)
+            result = sample(logits, SamplingTensors.build(rows, logits.shape[-1], self.device))
         sampled = result.token_ids
-        if x.draft_next is not None:
+        if x is not None and x.draft_next is not None:
             force = self.config.spec_force_accept
-            accepted = accepted_counts(sampled, x.draft_next, x.seg_ids, x.seg_starts_dev, force)
+            accepted = accepted_counts(sampled, x.draft_next, x.seg_ids, x.seg_starts, force)
             if force is not None:  # benchmarks: the first f drafts become the emitted tokens
-                row_in_seq = torch.arange(len(x.logits_idx), device=self.device)
-                row_in_seq = row_in_seq - x.seg_starts_dev[x.seg_ids]
+                row_in_seq = torch.arange(len(h.logits_idx), device=self.device)
+                row_in_seq = row_in_seq - x.seg_starts[x.seg_ids]
                 sampled = torch.where(row_in_seq < accepted[x.seg_ids], x.draft_next, sampled)
         else:
             accepted = None
+        last = self.graphs.last_sampled if self.graphs is not None else None
+        if last is not None and sampled.data_ptr() != last.data_ptr() and len(rows) <= len(last):
+            last[: len(rows)].copy_(sampled)  # where the next graph step gathers its inputs
         drafts = None
         if self.mtp is not None:
             graphed = graphs is not None and graphs is self.verify_graphs
-            drafts = self._mtp_drafts(x, hidden, sampled, accepted, graphed)
-        step = PendingStep(x.seg_starts, rows, sampled)
+            drafts = self._mtp_drafts(x, h, hidden, sampled, accepted, graphed)
+        step = PendingStep(h.seg_starts, rows, sampled)
         # Device -> pinned host copies, then an event: `result()` waits on that event only.
         step.host = [_to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
                                            result.top_ids, result.top_logprobs)]  # fmt: skip
@@ -361,16 +415,17 @@ class ModelRunner:
         with forward_context(md):
             return self.mtp(next_ids, hidden, positions, target_hidden=True)
 
-    def _mtp_drafts(self, x: StepInputs, hidden: torch.Tensor, sampled: torch.Tensor,
-                    accepted: torch.Tensor | None, graphed: bool) -> torch.Tensor:  # fmt: skip
+    def _mtp_drafts(self, x: StepInputs, h: HostInputs, hidden: torch.Tensor,
+                    sampled: torch.Tensor, accepted: torch.Tensor | None,
+                    graphed: bool) -> torch.Tensor:  # fmt: skip
         """k drafts per sampling sequence (S, k), on the device; `graphed`: the verify graph ran
         this step, so its MTP graph (same static inputs) drafts."""
         next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
         if accepted is None:
-            accepted = torch.zeros(len(x.seg_starts), dtype=torch.long, device=self.device)
+            accepted = torch.zeros(len(h.seg_starts), dtype=torch.long, device=self.device)
         if graphed:
             return self.verify_graphs.draft(next_ids, accepted, x.kv_limits)
-        chosen = x.idx[x.seg_starts_dev] + accepted  # token index of the last verified position
+        chosen = x.idx[x.seg_starts] + accepted  # token index of the last verified position
         tables = x.metadata.block_tables[x.sample_rows]  # (S, W)
         return self.draft_tokens(x.metadata, x.positions, hidden, next_ids, chosen, tables,
                                  x.kv_limits, x.max_kv_limit)  # fmt: skip

@@ -91,7 +91,8 @@ def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor
     """Flat cache slots (B*L,) and the mask of valid keys (B, 1, 1, L) of a decode step;
     computed by the first layer and shared by the others (they read the same positions)."""
     if md.decode_gather is None:
-        num_blocks = -(-md.max_context_len // block_size)
+        # max_context_len 0: unknown (a CUDA-graph-style replay), so the whole table width.
+        num_blocks = -(-md.max_context_len // block_size) or md.block_tables.shape[1]
         pos = torch.arange(num_blocks * block_size, device=md.block_tables.device)  # (L,)
         valid = pos[None, :] < md.context_lens[:, None]  # (B, L)
         pos = torch.where(valid, pos[None, :], 0)
