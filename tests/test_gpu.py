@@ -118,13 +118,16 @@ def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
             torch.cuda.empty_cache()
 
 
-def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path):
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_only):
     """Steady-state overlapped steps run under set_sync_debug_mode('error') (any implicit
-    device sync raises), and give the tokens of the synchronous loop."""
+    device sync raises), and give the tokens of the synchronous loop. Greedy-only batches take
+    the graph's own argmax and gather their inputs inside the replay."""
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=4096)
     prompts = [[(11 * i + 3 * j) % 3000 + 50 for j in range(8 + 3 * i)] for i in range(8)]
-    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=40,
-                             ignore_eos=True, logprobs=1 if i == 3 else None)
+    params = [SamplingParams(temperature=0.8 if i % 2 and not greedy_only else 0, seed=i,
+                             max_tokens=40, ignore_eos=True,
+                             logprobs=1 if i == 3 and not greedy_only else None)
               for i in range(8)]  # fmt: skip
     outs = []
     for overlap in (True, False):
@@ -147,6 +150,7 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path):
                 got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
         assert not engine.has_unfinished()
         engine.check_invariants()
+        assert engine.runner.graphs.num_replays > 20
         outs.append(got)
         del llm, engine
         gc.collect()
