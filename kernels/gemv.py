@@ -174,7 +174,8 @@ def gemv(
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x (M, K) with M <= 16, weight (N, K) -> (M, N) in x's dtype (+ bias (N,)). `method`:
+    """x (M, K) with M <= 16, weight (N, K) -> (M, N) in x's dtype, or float32 into a float32
+    `out` (rounded once, from the float32 accumulator), + bias (N,). `method`:
     "stream" (the default for M = 1) or "dot" (the default for M >= 2).
 
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
@@ -190,7 +191,8 @@ def gemv(
     tensors = [x, weight]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    check(out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out")
+    check(out.shape == (m, n) and out.stride(1) == 1, f"out must be ({m}, {n}), stride 1")
+    check(out.dtype in (x.dtype, torch.float32), "out: x's dtype or float32")
     if bias is not None:
         check(bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous(), "bad bias")
         tensors.append(bias)

@@ -256,12 +256,14 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "method"), [(1, None), (3, None), (3, "stream"), (16, None)])
-def test_gemv(dtype, m, method):
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_gemv(dtype, m, method, out_dtype):
+    """out_dtype float32: the accumulator itself (the LM head's logits), rounded only once."""
     n, k = 37, 1000  # odd sizes: partial row tile and partial K tiles
     x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype or dtype, device=DEVICE)
     assert gemv(x, w, out, method=method, block_k=128) is out
-    assert_rel(out, gemv_ref(x.double(), w.double()), dtype)
+    assert_rel(out, gemv_ref(x.double(), w.double()), out_dtype or dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -310,6 +312,10 @@ def test_gemv_prologue_rejects_bad_inputs():
         gemv(x, w, residual=randn(1, 64))
     with pytest.raises(ValueError, match="dot"):
         gemv(x, w, bias=randn(8), method="dot")
+    with pytest.raises(ValueError, match="float32"):
+        gemv(x.half(), w.half(), torch.empty(1, 8, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, torch.empty(1, 9, device=DEVICE))
 
 
 # --------------------------------------------------------------------------- sampling

@@ -13,6 +13,7 @@ the speculative verify step: every row runs its last token plus k drafts (k + 1 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tinyserve.layers.attention import AttentionMetadata, forward_context
@@ -52,8 +53,9 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * block_size
         # One int64 buffer: the last step's sampled ids (n * q), then a replay's inputs, laid
         # out per padded size bs (m = bs * q): ids (m), gather index (m), positions (m), slots
-        # (m), context lengths (bs). The graph's input ids are buffer[gather]: a host-known id
-        # points at its own entry, a token still on the device at the previous step's row.
+        # (m), context lengths (bs int32s in bs / 2 int64s). The graph's input ids are
+        # buffer[gather]: a host-known id points at its own entry, a token still on the device
+        # at the previous step's sampled row.
         self.base = n * q
         self.buffer = torch.zeros(self.base + 4 * n * q + n, dtype=torch.long, device=dev)
         self.last_sampled = self.buffer[: self.base]
@@ -86,9 +88,12 @@ class DecodeGraphs:
         self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
 
     def _fields(self, bs: int) -> list[torch.Tensor]:
-        """Views of the buffer for padded size bs: ids, gather, positions, slots, context lens."""
-        m = bs * self.query_len
-        return list(self.buffer[self.base : self.base + 4 * m + bs].split([m, m, m, m, bs]))
+        """Views of the buffer for padded size bs: ids, gather, positions, slots (int64), then
+        the context lengths as int32 (the kernels' dtype: no conversion in the graph)."""
+        m, start = bs * self.query_len, self.base
+        fields = list(self.buffer[start : start + 4 * m].split(m))
+        ctx = self.buffer[start + 4 * m : start + 4 * m + -(-bs // 2)]
+        return fields + [ctx.view(torch.int32)[:bs]]
 
     def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, gather, positions, slots, ctx = self._fields(bs)
@@ -97,7 +102,7 @@ class DecodeGraphs:
             slot_mapping=slots,
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            context_lens=ctx.to(torch.int32),
+            context_lens=ctx,
             query_lens_cpu=[self.query_len] * bs,
             context_lens_cpu=[],  # unknown at capture: the kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
@@ -170,18 +175,20 @@ class DecodeGraphs:
         `last_sampled` then holds the greedy tokens."""
         b, q = len(context_lens), self.query_len
         bs = next(s for s in self.sizes if s >= b)
-        pad = (bs - b) * q
-        gather = list(range(self.base, self.base + bs * q))
-        for d, s in zip(*pending):
-            gather[d] = s
-        host = (input_ids + [0] * pad + gather + positions + [0] * pad + slots
-                + [self.scratch_slot] * pad + context_lens + [q] * (bs - b))  # fmt: skip
-        pin = self.buffer.is_cuda
-        self.buffer[self.base : self.base + len(host)].copy_(
-            torch.tensor(host, dtype=torch.long, pin_memory=pin), non_blocking=True
-        )
+        m, n = bs * q, b * q
+        host = torch.empty(4 * m + -(-bs // 2), dtype=torch.long, pin_memory=self.buffer.is_cuda)
+        a = host.numpy()
+        a[:n], a[n:m] = input_ids, 0
+        a[m : 2 * m] = np.arange(self.base, self.base + m)
+        a[m + np.asarray(pending[0], dtype=np.int64)] = pending[1]
+        a[2 * m : 2 * m + n], a[2 * m + n : 3 * m] = positions, 0
+        a[3 * m : 3 * m + n], a[3 * m + n : 4 * m] = slots, self.scratch_slot
+        ctx = a[4 * m :].view(np.int32)
+        ctx[:b], ctx[b:] = context_lens, q
+        self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
         # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
+        pin = self.buffer.is_cuda
         self.block_tables[:b, : len(tables[0])].copy_(
             torch.tensor(tables, dtype=torch.int32, pin_memory=pin), non_blocking=True
         )

@@ -23,7 +23,10 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Matmul in the model dtype, then float32 for sampling (as HF's logits.float()).
-        if hidden.is_cuda and gemv_beats_cublas(hidden.shape[0], self.weight.shape[0]):
-            return gemv(hidden, self.weight).float()
+        # float32 logits for sampling. cuBLAS: matmul in the model dtype, then float (HF's
+        # logits.float()); the gemv writes its float32 accumulator directly (one launch less).
+        (m, _), v = hidden.shape, self.weight.shape[0]
+        if hidden.is_cuda and gemv_beats_cublas(m, v):
+            out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
+            return gemv(hidden, self.weight, out)
         return F.linear(hidden, self.weight).float()  # (N, V)
