@@ -158,6 +158,7 @@ def with_replayed_graphs(llm):
     r = llm.engine.runner
     r.graphs = DecodeGraphs(r.model, r.config.max_num_seqs, r.max_blocks_per_seq,
                             r.num_kv_blocks, r.block_size, capture=False)  # fmt: skip
+    r.capture_prefill_graphs(capture=False)
     return llm
 
 
@@ -179,3 +180,26 @@ def test_graph_path_gives_the_eager_outputs(model_dir, greedy_only, overlap):
         for a, b in zip(g[2] or [], w[2] or []):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
     assert llm.engine.runner.graphs.num_replays > 10
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_prefill_graphs_give_the_eager_outputs(model_dir, greedy_only):
+    """One prompt at a time: each prompt chunk runs as a one-sequence prefill graph padded to
+    16 / 32 / 64 tokens (the padding after the chunk must not touch its KV or its logits), also
+    past a prefix-cache hit (the chunk starts mid-sequence) and in 16-token chunks."""
+    prompts, params = workload(2)
+    if greedy_only:
+        params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                                 stop_token_ids=p.stop_token_ids) for p in params]  # fmt: skip
+    prompts = prompts[:6] + [prompts[0] + prompts[1]]  # the last one hits prompt 0's blocks
+    for budget in (8192, 16):
+        eager = make_llm(model_dir, max_num_batched_tokens=budget)
+        llm = with_replayed_graphs(make_llm(model_dir, max_num_batched_tokens=budget))
+        for prompt, p in zip(prompts, params):
+            got, want = outputs(llm, [prompt], [p]), outputs(eager, [prompt], [p])
+            assert got[0][:2] == want[0][:2]
+            for a, b in zip(got[0][2] or [], want[0][2] or []):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        replays = sum(g.num_replays for g in llm.engine.runner.prefill_graphs.values())
+        assert replays >= len(prompts)
+        assert llm.engine.runner.prefill_graphs[16].num_replays > 0

@@ -38,26 +38,36 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
 
 
+def prefill_graph_lengths(max_num_batched_tokens: int) -> list[int]:
+    """Padded prompt lengths with a one-sequence prefill graph: where launching a forward's few
+    hundred kernels one by one costs the host more than the GPU needs to run them."""
+    return [t for t in (16, 32, 64, 128, 256, 512) if t <= max_num_batched_tokens]
+
+
 class DecodeGraphs:
-    """`capture=False` replays by running the same static-buffer forward eagerly: the CPU tests
+    """`prefill=True` captures one sequence of up to query_len prompt tokens instead (padded at
+    the end; the logits are its last real token's only).
+
+    `capture=False` replays by running the same static-buffer forward eagerly: the CPU tests
     drive the runner's graph path with it (there are no CUDA graphs on the CPU)."""
 
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 block_size: int, query_len: int = 1, pool=None,
-                 capture: bool = True) -> None:  # fmt: skip
+                 block_size: int, query_len: int = 1, pool=None, capture: bool = True,
+                 prefill: bool = False) -> None:  # fmt: skip
         dev = next(model.parameters()).device
         self.model = model
         self.query_len = q = query_len
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.prefill = prefill
+        self.sizes = [1] if prefill else graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
         # One int64 buffer: the last step's sampled ids (n * q), then a replay's inputs, laid
         # out per padded size bs (m = bs * q): ids (m), gather index (m), positions (m), slots
-        # (m), context lengths (bs int32s in bs / 2 int64s). The graph's input ids are
-        # buffer[gather]: a host-known id points at its own entry, a token still on the device
-        # at the previous step's sampled row.
+        # (m), logits rows (bs; prefill only), context lengths (bs int32s in bs / 2 int64s).
+        # The graph's input ids are buffer[gather]: a host-known id points at its own entry, a
+        # token still on the device at the previous step's sampled row.
         self.base = n * q
-        self.buffer = torch.zeros(self.base + 4 * n * q + n, dtype=torch.long, device=dev)
+        self.buffer = torch.zeros(self.base + 4 * n * q + 2 * n, dtype=torch.long, device=dev)
         self.last_sampled = self.buffer[: self.base]
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
@@ -88,23 +98,25 @@ class DecodeGraphs:
         self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
 
     def _fields(self, bs: int) -> list[torch.Tensor]:
-        """Views of the buffer for padded size bs: ids, gather, positions, slots (int64), then
-        the context lengths as int32 (the kernels' dtype: no conversion in the graph)."""
+        """Views of the buffer for padded size bs: ids, gather, positions, slots, logits rows
+        (int64), then the context lengths as int32 (the kernels' dtype: no conversion)."""
         m, start = bs * self.query_len, self.base
-        fields = list(self.buffer[start : start + 4 * m].split(m))
-        ctx = self.buffer[start + 4 * m : start + 4 * m + -(-bs // 2)]
+        fields = list(self.buffer[start : start + 4 * m + bs].split([m, m, m, m, bs]))
+        ctx = self.buffer[start + 4 * m + bs : start + 4 * m + bs + -(-bs // 2)]
         return fields + [ctx.view(torch.int32)[:bs]]
 
-    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, gather, positions, slots, ctx = self._fields(bs)
-        m, decode = bs * self.query_len, self.query_len == 1
+    def _run(self, bs: int, host_ctx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured forward; `host_ctx`: the context lengths on the host, which only an
+        eager replay (capture=False) can use (the CPU attention needs them)."""
+        _, gather, positions, slots, rows, ctx = self._fields(bs)
+        decode = self.query_len == 1
         md = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             context_lens=ctx,
             query_lens_cpu=[self.query_len] * bs,
-            context_lens_cpu=[],  # unknown at capture: the kernels read the device copy
+            context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
             is_decode_only=decode,
             num_splits=decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
@@ -113,10 +125,10 @@ class DecodeGraphs:
         self.metadata[bs] = md
         with forward_context(md):
             hidden = self.model(self.buffer[gather], positions)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden.index_select(0, rows) if self.prefill else hidden)
         # The greedy tokens, where the next step's gather finds them (it reads them before
         # this write: the gather is the replay's first kernel).
-        torch.argmax(logits, dim=-1, out=self.last_sampled[:m])
+        torch.argmax(logits, dim=-1, out=self.last_sampled[: logits.shape[0]])
         return hidden, logits
 
     def capture_drafts(self, draft_tokens) -> None:
@@ -131,7 +143,7 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = self.pool
         for bs in reversed(self.sizes):
-            md, positions = self.metadata[bs], self._fields(bs)[2]
+            md, positions = self.metadata[bs], self._fields(bs)[2]  # verify graphs only
 
             def run(bs=bs, md=md, positions=positions) -> torch.Tensor:
                 chosen = self.seg_starts[:bs] + self.accepted[:bs]
@@ -169,22 +181,28 @@ class DecodeGraphs:
             context_lens: list[int], tables: list[list[int]],
             pending: tuple[list[int], list[int]] = ((), ())
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Host inputs of the real batch (B rows of query_len tokens; `tables` rows of one
-        width); `pending` (dst, src): input dst is the previous step's sampled row src, which
-        `last_sampled` holds. Returns hidden (B * query_len, H) and logits (B * query_len, V);
-        `last_sampled` then holds the greedy tokens."""
+        """Host inputs of the real batch (B rows of query_len tokens, or one prompt chunk of up
+        to query_len tokens; `tables` rows of one width); `pending` (dst, src): input dst is
+        the previous step's sampled row src, which `last_sampled` holds. Returns hidden (one row
+        per token) and logits (one row per token, or the chunk's last token's); `last_sampled`
+        then holds their greedy tokens."""
         b, q = len(context_lens), self.query_len
         bs = next(s for s in self.sizes if s >= b)
-        m, n = bs * q, b * q
-        host = torch.empty(4 * m + -(-bs // 2), dtype=torch.long, pin_memory=self.buffer.is_cuda)
+        m, n = bs * q, len(input_ids)
+        host_ctx = list(context_lens)
+        if self.prefill:  # queries are a row's last q positions: padding goes after the chunk
+            host_ctx[0] += q - n
+        host = torch.empty(4 * m + bs + -(-bs // 2), dtype=torch.long,
+                           pin_memory=self.buffer.is_cuda)  # fmt: skip
         a = host.numpy()
         a[:n], a[n:m] = input_ids, 0
         a[m : 2 * m] = np.arange(self.base, self.base + m)
         a[m + np.asarray(pending[0], dtype=np.int64)] = pending[1]
         a[2 * m : 2 * m + n], a[2 * m + n : 3 * m] = positions, 0
         a[3 * m : 3 * m + n], a[3 * m + n : 4 * m] = slots, self.scratch_slot
-        ctx = a[4 * m :].view(np.int32)
-        ctx[:b], ctx[b:] = context_lens, q
+        a[4 * m : 4 * m + bs] = n - 1  # the logits row of a prefill graph
+        ctx = a[4 * m + bs :].view(np.int32)
+        ctx[:b], ctx[b:] = host_ctx, q
         self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
         # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
@@ -195,7 +213,7 @@ class DecodeGraphs:
         if self.capture:
             self.graphs[bs].replay()
         else:
-            self.outputs[bs] = self._run(bs)
+            self.outputs[bs] = self._run(bs, host_ctx + [q] * (bs - b))
         self.num_replays += 1
         hidden, logits = self.outputs[bs]
-        return hidden[: b * q], logits[: b * q]
+        return hidden[:n], logits if self.prefill else logits[:n]
