@@ -192,8 +192,8 @@ class DecodeGraphs:
         host_ctx = list(context_lens)
         if self.prefill:  # queries are a row's last q positions: padding goes after the chunk
             host_ctx[0] += q - n
-        host = torch.empty(4 * m + bs + -(-bs // 2), dtype=torch.long,
-                           pin_memory=self.buffer.is_cuda)  # fmt: skip
+        pin = self.buffer.is_cuda  # pinned host memory: the copies are async
+        host = torch.empty(4 * m + bs + -(-bs // 2), dtype=torch.long, pin_memory=pin)
         a = host.numpy()
         a[:n], a[n:m] = input_ids, 0
         a[m : 2 * m] = np.arange(self.base, self.base + m)
@@ -206,7 +206,6 @@ class DecodeGraphs:
         self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
         # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
-        pin = self.buffer.is_cuda
         self.block_tables[:b, : len(tables[0])].copy_(
             torch.tensor(tables, dtype=torch.int32, pin_memory=pin), non_blocking=True
         )

@@ -200,6 +200,7 @@ class ModelRunner:
                              prefill=True)  # fmt: skip
             pool = g.pool if capture else None
             self.prefill_graphs[q] = g
+        self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))  # shortest first
         if capture:
             self.graphs.pool = pool
 
@@ -355,7 +356,7 @@ class ModelRunner:
         if all(n == 1 for n in h.q_lens):
             return self.graphs
         if len(h.q_lens) == 1 and not h.dst and not h.spec:  # one prompt chunk
-            q = next((q for q in sorted(self.prefill_graphs) if q >= h.q_lens[0]), None)
+            q = next((q for q in self.prefill_graphs if q >= h.q_lens[0]), None)
             # Padding tokens sit after the chunk: their positions must stay inside the table.
             limit = self.max_blocks_per_seq * self.block_size
             if q is not None and h.ctx_lens[0] + q - h.q_lens[0] <= limit:
@@ -396,14 +397,20 @@ class ModelRunner:
                 self._mtp_first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
             return PendingStep([], rows)
         assert len(rows) == len(h.logits_idx)
-        every_row = len(h.logits_idx) == len(h.input_ids)
-        idx = x.idx if x is not None else None if every_row else self._tensor(h.logits_idx)
-        if all_logits is not None:  # a prefill graph's one row is the chunk's last token's
-            logits = all_logits if every_row or graphs.prefill else all_logits[idx]
+        # The graph's logits rows are the sampled rows: every token sampled, or a prefill
+        # graph's one row (the chunk's last token's).
+        graph_rows = all_logits is not None and (
+            len(h.logits_idx) == len(h.input_ids) or graphs.prefill
+        )
+        if graph_rows:
+            logits = all_logits
         else:
-            logits = self.model.compute_logits(hidden[idx])  # (R, V) float32
-        own_argmax = graphs is not None and graphs is not self.verify_graphs
-        if own_argmax and (every_row or graphs.prefill) and _plain_greedy(rows):
+            idx = x.idx if x is not None else self._tensor(h.logits_idx)
+            if all_logits is not None:
+                logits = all_logits[idx]
+            else:
+                logits = self.model.compute_logits(hidden[idx])  # (R, V) float32
+        if graph_rows and graphs is not self.verify_graphs and _plain_greedy(rows):
             # The graph's own argmax is exactly what `sample` would compute.
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
         else:
@@ -425,7 +432,7 @@ class ModelRunner:
         drafts = None
         if self.mtp is not None:
             graphed = graphs is not None and graphs is self.verify_graphs
-            drafts = self._mtp_drafts(x, h, hidden, sampled, accepted, graphed)
+            drafts = self._mtp_drafts(x, hidden, sampled, accepted, graphed)
         step = PendingStep(h.seg_starts, rows, sampled)
         # Device -> pinned host copies, then an event: `result()` waits on that event only.
         step.host = [_to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
@@ -442,14 +449,13 @@ class ModelRunner:
         with forward_context(md):
             return self.mtp(next_ids, hidden, positions, target_hidden=True)
 
-    def _mtp_drafts(self, x: StepInputs, h: HostInputs, hidden: torch.Tensor,
-                    sampled: torch.Tensor, accepted: torch.Tensor | None,
-                    graphed: bool) -> torch.Tensor:  # fmt: skip
+    def _mtp_drafts(self, x: StepInputs, hidden: torch.Tensor, sampled: torch.Tensor,
+                    accepted: torch.Tensor | None, graphed: bool) -> torch.Tensor:  # fmt: skip
         """k drafts per sampling sequence (S, k), on the device; `graphed`: the verify graph ran
         this step, so its MTP graph (same static inputs) drafts."""
         next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
         if accepted is None:
-            accepted = torch.zeros(len(h.seg_starts), dtype=torch.long, device=self.device)
+            accepted = torch.zeros_like(x.seg_starts)
         if graphed:
             return self.verify_graphs.draft(next_ids, accepted, x.kv_limits)
         chosen = x.idx[x.seg_starts] + accepted  # token index of the last verified position
