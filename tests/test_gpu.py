@@ -92,6 +92,27 @@ def test_cuda_graphs_on_off_identical(tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_shared_prefix_graphs_match_eager(tmp_path):
+    """24 prompts on two 300-token heads: decode steps replay the shared-prefix (cascade)
+    graphs; fp32 keeps rounding out of the comparison with the eager row-by-row attention."""
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=4, max_position_embeddings=4096)
+    heads = [[(7 * j + 100 * h) % 4000 + 50 for j in range(300)] for h in range(2)]
+    prompts = [heads[i % 2] + [(31 * i + j) % 3000 + 60 for j in range(3 + i)] for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=32,
+                  enforce_eager=eager)  # fmt: skip
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)])  # fmt: skip
+        if not eager:
+            assert llm.engine.runner.graphs.num_shared_replays >= 10
+        llm.engine.check_invariants()
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+
+
 def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
     """MTP and n-gram speculation (k = 3) give the greedy tokens of plain decoding (fp32), with
     CUDA graphs on and off; with graphs on, the verify steps replay the verify graphs."""

@@ -17,7 +17,11 @@ if not HAS_CUDA:  # before the kernels import triton.jit
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tinyserve.kernels._common import is_interpreter  # noqa: E402
-from tinyserve.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from tinyserve.kernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_ref,
+    shared_prefix_rows,
+)
 from tinyserve.kernels.gemv import gemv, gemv_ref  # noqa: E402
 from tinyserve.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
@@ -107,6 +111,130 @@ def test_decode_attention(dtype, case):
     out = poisoned(q)
     decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, out, num_splits=num_splits)
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.125), dtype)
+
+
+def shared_prefix_case(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Six rows: rows 0, 1, 3 share their first 2 blocks (two chunks of one group), rows 2, 4
+    their first block, row 5 nothing; plus an unused chunk. Returns the inputs and the chunks."""
+    lens = [4 * block_size + 6, 2 * block_size + 5, 3 * block_size + 2, 4 * block_size,
+            block_size + 3, 7]  # fmt: skip
+    k_cache, v_cache, table, context_lens = paged_cache(
+        6, lens, num_kv_heads, head_dim, block_size, dtype
+    )
+    table[1, :2] = table[3, :2] = table[0, :2]
+    table[4, :1] = table[2, :1]
+    r = shared_prefix_rows(num_heads, num_kv_heads)
+    chunks = torch.full((4, 1 + r), -1, dtype=torch.int32, device=DEVICE)
+    for c, (leader, rows) in enumerate([(0, [0, 1]), (0, [3]), (2, [4, 2])]):
+        chunks[c, 0] = leader
+        chunks[c, 1 : 1 + len(rows)] = torch.tensor(rows)
+    skip = torch.tensor([2, 2, 1, 2, 1, 0], dtype=torch.int32, device=DEVICE) * block_size
+    return k_cache, v_cache, table, context_lens, chunks, skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_attention_shared_prefix(dtype, case):
+    num_heads, num_kv_heads, head_dim, block_size, num_splits = case
+    k_cache, v_cache, table, lens, chunks, skip = shared_prefix_case(
+        num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    q = randn(6, num_heads, head_dim, dtype=dtype)
+    ref = decode_attention_ref(q, k_cache, v_cache, table, lens, 0.125)
+    for shared_splits in (1, 3):
+        out = poisoned(q)
+        decode_attention(q, k_cache, v_cache, table, lens, 0.125, out, num_splits=num_splits,
+                         shared_chunks=chunks, shared_lens=skip,
+                         shared_splits=shared_splits)  # fmt: skip
+        assert_rel(out, ref, dtype)
+
+
+def test_decode_attention_shared_prefix_reads_only_the_leaders_prefix():
+    """The members' own copies of the prefix blocks are never read: poisoning them changes
+    nothing (the kernel reads the leader's table for the shared part)."""
+    k_cache, v_cache, table, lens, chunks, skip = shared_prefix_case(4, 2, 64, 16, F32)
+    q = randn(6, 4, 64)
+    ref = decode_attention_ref(q, k_cache, v_cache, table, lens, 0.125)
+    members = table.clone()
+    spare = k_cache.shape[0] - 1  # unused, NaN-filled blocks (see paged_cache)
+    unused = [b for b in range(spare, 0, -1) if b not in set(table.flatten().tolist())]
+    fresh = torch.tensor(unused[:3], dtype=torch.int32, device=DEVICE)
+    members[1, :2] = members[3, :2] = fresh[:2]
+    members[4, :1] = fresh[2:]
+    out = poisoned(q)
+    decode_attention(q, k_cache, v_cache, members, lens, 0.125, out, num_splits=2,
+                     shared_chunks=chunks, shared_lens=skip)  # fmt: skip
+    assert_rel(out, ref, F32)
+
+
+def test_plan_shared_prefixes_groups_rows_by_their_first_block():
+    import numpy as np
+
+    from tinyserve.graphs import plan_shared_prefixes
+
+    bs = 16
+    tables = np.array([
+        [7, 8, 9, 10, 30],   # leader of group 7: 3 blocks shared by all its members
+        [5, 40, 0, 0, 0],    # group 5: one block in common only (< 128 tokens): not kept
+        [7, 8, 9, 11, 0],
+        [5, 41, 0, 0, 0],
+        [3, 50, 0, 0, 0],    # alone
+        [7, 8, 9, 10, 12],   # 4 blocks in common with the leader: the group takes the fewest
+        [7, 8, 9, 10, 0],    # its 4th block is the one it writes now: not shared
+    ], dtype=np.int32)  # fmt: skip
+    ctx = np.array([5 * bs, 30, 4 * bs - 3, 20, 20, 5 * bs, 3 * bs + 1], dtype=np.int32)
+    chunks, lens = plan_shared_prefixes(tables, ctx, bs, rows_per_chunk=3, max_chunks=8,
+                                        min_tokens=3 * bs)  # fmt: skip
+    assert lens.tolist() == [48, 0, 48, 0, 0, 48, 48]
+    assert chunks.tolist() == [[0, 0, 2, 5], [0, 6, -1, -1]]
+    # no room for the group's two chunks: nothing to share
+    assert plan_shared_prefixes(tables, ctx, bs, 3, max_chunks=1, min_tokens=3 * bs) is None
+    # a fourth block in common: the plan shares 3, row 6 would need its written block
+    tables[6, 3], ctx[6] = 99, 6 * bs
+    assert plan_shared_prefixes(tables, ctx, bs, 3, 8, 3 * bs)[1].tolist()[6] == 48
+    # too little saved against the step's reads: no plan
+    assert plan_shared_prefixes(tables, ctx * 100, bs, 3, 8, 3 * bs) is None
+
+
+def test_a_plan_of_pool_tables_gives_the_plain_attention():
+    """Tables of a real block pool with prefix-cache hits (two prompts each shared by three
+    sequences), planned and attended by the cascade kernel = the reference."""
+    import numpy as np
+
+    from tinyserve.block_pool import BlockPool
+    from tinyserve.graphs import plan_shared_prefixes
+    from tinyserve.sampling import SamplingParams
+    from tinyserve.sequence import Sequence
+
+    bs, heads, kv_heads, dim = 4, 4, 2, 16
+    pool = BlockPool(64, bs, enable_prefix_caching=True)
+    systems = [list(range(100, 113)), list(range(200, 211))]
+    seqs = []
+    for i in range(6):
+        ids = systems[i % 2] + [300 + i] * (1 + i)
+        seq = Sequence(i, str(i), 0, ids, len(ids), SamplingParams(), 0, 16, 1 << 20)
+        pool.match_prefix(seq)
+        pool.may_append(seq, seq.num_tokens - seq.num_kv_computed)
+        seq.num_kv_computed = seq.num_tokens
+        pool.commit(seq)
+        seqs.append(seq)
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.zeros((6, width), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.block_table
+    ctx = np.array([s.num_tokens for s in seqs], dtype=np.int32)
+    r = shared_prefix_rows(heads, kv_heads)
+    chunks, lens = plan_shared_prefixes(tables, ctx, bs, r, max_chunks=3, min_tokens=bs)
+    assert lens.tolist() == [12, 8, 12, 8, 12, 8]  # whole blocks only
+    shape = (64, bs, kv_heads, dim)
+    k_cache, v_cache, q = randn(*shape), randn(*shape), randn(6, heads, dim)
+    table_t = torch.from_numpy(tables).to(DEVICE)
+    lens_t = torch.from_numpy(ctx).to(DEVICE)
+    out = poisoned(q)
+    decode_attention(q, k_cache, v_cache, table_t, lens_t, 0.2, out,
+                     shared_chunks=torch.from_numpy(chunks).to(DEVICE),
+                     shared_lens=torch.from_numpy(lens).to(DEVICE))  # fmt: skip
+    assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table_t, lens_t, 0.2), F32)
 
 
 # (Hq, Hkv, head_dim, block_size): decode rows, a prefill with a cached prefix, a fresh prompt.
@@ -399,6 +527,32 @@ def test_decode_attention_gpu(num_heads, block_size):
         out = poisoned(q)
         decode_attention(q, k_cache, v_cache, table, context_lens, 128**-0.5, out,
                          num_splits=splits)  # fmt: skip
+        assert_rel(out, ref, BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_shared_prefix_decode_attention_gpu(num_heads):
+    """64 rows in 4 groups of 16 sharing 2,048 tokens (qwen3-0.6b / llama-8b GQA), planned."""
+    import numpy as np
+
+    from tinyserve.graphs import plan_shared_prefixes
+
+    lens = [2048 + 1 + (37 * i) % 300 for i in range(64)]
+    k_cache, v_cache, table, context_lens = paged_cache(64, lens, 8, 128, 16, BF16)
+    for i in range(64):
+        table[i, :128] = table[i % 4, :128]
+    q = randn(64, num_heads, 128, dtype=BF16)
+    ref = decode_attention_ref(q, k_cache, v_cache, table, context_lens, 128**-0.5)
+    chunks, skip = plan_shared_prefixes(table.cpu().numpy(), np.array(lens), 16,
+                                        shared_prefix_rows(num_heads, 8), 32)  # fmt: skip
+    assert skip.tolist() == [2048] * 64
+    for splits in (1, 2):
+        out = poisoned(q)
+        decode_attention(q, k_cache, v_cache, table, context_lens, 128**-0.5, out,
+                         num_splits=splits, shared_chunks=torch.from_numpy(chunks).cuda(),
+                         shared_lens=torch.from_numpy(skip).cuda())  # fmt: skip
         assert_rel(out, ref, BF16)
 
 

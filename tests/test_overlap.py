@@ -150,14 +150,15 @@ def test_shared_prefixes_computed_once_with_the_overlapped_loop(model_dir, overl
     assert engine.pool.trie.num_hit_tokens == groups * (per_group - 1) * sys_len
 
 
-def with_replayed_graphs(llm):
+def with_replayed_graphs(llm, shared_prefix: bool = False):
     """The runner's CUDA-graph path on the CPU: DecodeGraphs with capture=False replays its
     static-buffer forward eagerly (same packed inputs, in-graph gather and argmax)."""
     from tinyserve.graphs import DecodeGraphs
 
     r = llm.engine.runner
     r.graphs = DecodeGraphs(r.model, r.config.max_num_seqs, r.max_blocks_per_seq,
-                            r.num_kv_blocks, r.block_size, capture=False)  # fmt: skip
+                            r.num_kv_blocks, r.block_size, capture=False,
+                            shared_prefix=shared_prefix)  # fmt: skip
     r.capture_prefill_graphs(capture=False)
     return llm
 
@@ -180,6 +181,22 @@ def test_graph_path_gives_the_eager_outputs(model_dir, greedy_only, overlap):
         for a, b in zip(g[2] or [], w[2] or []):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
     assert llm.engine.runner.graphs.num_replays > 10
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shared_prefix_graphs_give_the_eager_outputs(model_dir, overlap):
+    """16 sequences on a 132-token common head decode through the shared-prefix graphs (their
+    plan and inputs; the CPU attention itself reads every row's whole context)."""
+    rng = random.Random(3)
+    head = [rng.randrange(8, VOCAB) for _ in range(132)]
+    prompts = [head + [rng.randrange(8, VOCAB) for _ in range(1 + i % 5)] for i in range(16)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=12 + i,
+                             ignore_eos=True) for i in range(16)]  # fmt: skip
+    want = outputs(make_llm(model_dir, async_scheduling=False), prompts, params)
+    llm = with_replayed_graphs(make_llm(model_dir, async_scheduling=overlap, max_num_seqs=16),
+                               shared_prefix=True)  # fmt: skip
+    assert outputs(llm, prompts, params) == want
+    assert llm.engine.runner.graphs.num_shared_replays > 5
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])

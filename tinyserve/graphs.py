@@ -9,6 +9,12 @@ overlapped loop's inputs), and the graph ends with the greedy argmax into the sa
 Padded rows write their KV into a scratch block (the last block of the cache, never handed out by
 the pool) and attend to it only, so they cannot disturb real sequences. `query_len` > 1 captures
 the speculative verify step: every row runs its last token plus k drafts (k + 1 queries).
+
+With `shared_prefix`, decode batches of 16 or more rows also get a second graph per size whose
+attention reads KV blocks that several rows share (prefix-cache hits) once per group of rows
+(cascade attention, kernels/decode_attention.py); a step replays it when `plan_shared_prefixes`
+finds enough sharing. Its sums run in another order than the plain graph's, so outputs may
+differ from it by rounding, as with a different split count.
 """
 
 from __future__ import annotations
@@ -38,6 +44,49 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
 
 
+SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (sharing saves little there)
+
+
+def plan_shared_prefixes(tables: np.ndarray, ctx: np.ndarray, block_size: int,
+                         rows_per_chunk: int, max_chunks: int, min_tokens: int = 128
+                         ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """Cascade plan of a decode step: rows whose first KV block is the same physical block form a
+    group; its shared length is the fewest leading blocks any member has in common with the
+    group's first row (its leader), never the block this step writes. Returns (chunks (C, 1 + R):
+    leader row then up to R = rows_per_chunk members, -1 padded, C <= max_chunks; shared tokens
+    per row (B,)), both int32, or None where sharing would skip less than an eighth of the
+    step's KV reads."""
+    b, width = tables.shape
+    if b < 2 or width == 0:
+        return None
+    full = np.minimum((ctx - 1) // block_size, width)  # blocks before the one written now
+    order = np.argsort(tables[:, 0], kind="stable")
+    first = tables[order, 0]
+    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
+    sizes = np.diff(np.r_[starts, b])
+    leaders = order[np.repeat(starts, sizes)]  # per sorted row: its group's leader
+    same = np.logical_and.accumulate(tables[order] == tables[leaders], axis=1)
+    common = np.minimum(same.sum(1), np.minimum(full[order], full[leaders]))
+    shared = np.minimum.reduceat(common, starts)  # blocks, per group
+    keep = (sizes >= 2) & (shared * block_size >= min_tokens)
+    saved = int(((sizes - 1) * shared)[keep].sum()) * block_size
+    if 8 * saved < int(ctx.sum()):
+        return None
+    lens = np.zeros(b, dtype=np.int32)
+    chunks = []
+    for g in np.flatnonzero(keep):
+        rows = order[starts[g] : starts[g] + sizes[g]]
+        if len(chunks) + -(-len(rows) // rows_per_chunk) > max_chunks:
+            continue  # no room: these rows attend their whole context themselves
+        lens[rows] = shared[g] * block_size
+        for i in range(0, len(rows), rows_per_chunk):
+            part = rows[i : i + rows_per_chunk]
+            chunks.append([rows[0], *part] + [-1] * (rows_per_chunk - len(part)))
+    if not chunks:
+        return None
+    return np.array(chunks, dtype=np.int32), lens
+
+
 def prefill_graph_lengths(max_num_batched_tokens: int) -> list[int]:
     """Padded prompt lengths with a one-sequence prefill graph: where launching a forward's few
     hundred kernels one by one costs the host more than the GPU needs to run them."""
@@ -53,7 +102,7 @@ class DecodeGraphs:
 
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
                  block_size: int, query_len: int = 1, pool=None, capture: bool = True,
-                 prefill: bool = False) -> None:  # fmt: skip
+                 prefill: bool = False, shared_prefix: bool = False) -> None:  # fmt: skip
         dev = next(model.parameters()).device
         self.model = model
         self.query_len = q = query_len
@@ -72,29 +121,46 @@ class DecodeGraphs:
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
+        # One logits buffer for every graph of the set: each size's own output would keep
+        # bs x V float32 alive per graph (~5 GB for sizes up to 512 with a 152k vocabulary).
+        self.logits = torch.empty(1 if prefill else n * q, model.lm_head.weight.shape[0],
+                                  dtype=torch.float32, device=dev)  # fmt: skip
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev
         )
         self.max_num_seqs = max_num_seqs
-        self.num_kv_heads = next(
-            m.num_kv_heads for m in model.modules() if hasattr(m, "num_kv_heads")
-        )
+        attn = next(m for m in model.modules() if hasattr(m, "num_kv_heads"))
+        self.num_kv_heads = attn.num_kv_heads
         self.max_len = max_blocks_per_seq * block_size
+        self.block_size = block_size
         self.capture = capture
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.num_replays = 0
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (hidden, logits)
-        self.metadata: dict[int, AttentionMetadata] = {}  # bs -> what the captured graph reads
+        # Shared-prefix (cascade) graphs: keyed (bs, True) beside the plain (bs, False) ones.
+        # Their inputs: one int32 buffer of the shared lengths (n), then the chunks (n / 2 rows
+        # of 1 + R: every chunk has two rows or more).
+        self.shared_sizes = [s for s in self.sizes if s >= SHARED_MIN_BATCH] if (
+            shared_prefix and q == 1 and not prefill) else []  # fmt: skip
+        if self.shared_sizes:
+            from tinyserve.kernels.decode_attention import shared_prefix_rows
+
+            self.shared_rows = shared_prefix_rows(attn.num_heads, attn.num_kv_heads)
+            self.shared_buffer = torch.zeros(n + n // 2 * (1 + self.shared_rows),
+                                             dtype=torch.int32, device=dev)  # fmt: skip
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.num_replays = self.num_shared_replays = 0
+        # (bs, shared) -> (hidden, logits) and what the captured graph reads
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.metadata: dict[tuple[int, bool], AttentionMetadata] = {}
         if not capture:
             return
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._run(bs)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._run(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            for shared in (False, True)[: 1 + (bs in self.shared_sizes)]:
+                self._run(bs, shared=shared)  # warm-up: Triton compiles outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs, shared] = self._run(bs, shared=shared)
+                pool = graph.pool()
+                self.graphs[bs, shared] = graph
         self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
 
     def _fields(self, bs: int) -> list[torch.Tensor]:
@@ -105,11 +171,16 @@ class DecodeGraphs:
         ctx = self.buffer[start + 4 * m + bs : start + 4 * m + bs + -(-bs // 2)]
         return fields + [ctx.view(torch.int32)[:bs]]
 
-    def _run(self, bs: int, host_ctx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, bs: int, host_ctx: list[int] | None = None,
+             shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The captured forward; `host_ctx`: the context lengths on the host, which only an
         eager replay (capture=False) can use (the CPU attention needs them)."""
         _, gather, positions, slots, rows, ctx = self._fields(bs)
         decode = self.query_len == 1
+        if shared:
+            n = self.sizes[-1]
+            lens = self.shared_buffer[:bs]
+            chunks = self.shared_buffer[n:].view(n // 2, 1 + self.shared_rows)[: bs // 2]
         md = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[:bs],
@@ -121,11 +192,13 @@ class DecodeGraphs:
             is_decode_only=decode,
             num_splits=decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
                                          self.buffer.device) if decode else None,
+            shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
-        self.metadata[bs] = md
+        self.metadata[bs, shared] = md
         with forward_context(md):
             hidden = self.model(self.buffer[gather], positions)
-        logits = self.model.compute_logits(hidden.index_select(0, rows) if self.prefill else hidden)
+        last = hidden.index_select(0, rows) if self.prefill else hidden
+        logits = self.model.compute_logits(last, out=self.logits[: last.shape[0]])
         # The greedy tokens, where the next step's gather finds them (it reads them before
         # this write: the gather is the replay's first kernel).
         torch.argmax(logits, dim=-1, out=self.last_sampled[: logits.shape[0]])
@@ -143,11 +216,12 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = self.pool
         for bs in reversed(self.sizes):
-            md, positions = self.metadata[bs], self._fields(bs)[2]  # verify graphs only
+            md, positions = self.metadata[bs, False], self._fields(bs)[2]  # verify graphs only
 
             def run(bs=bs, md=md, positions=positions) -> torch.Tensor:
                 chosen = self.seg_starts[:bs] + self.accepted[:bs]
-                return draft_tokens(md, positions, self.outputs[bs][0], self.next_ids[: bs * q],
+                return draft_tokens(md, positions, self.outputs[bs, False][0],
+                                    self.next_ids[: bs * q],
                                     chosen, self.block_tables[:bs], self.limits[:bs],
                                     None)  # fmt: skip
 
@@ -174,16 +248,32 @@ class DecodeGraphs:
         graph.replay()
         return out[:b]
 
+    def _copy_shared_plan(self, tables: np.ndarray, ctx: np.ndarray, bs: int, pin: bool) -> bool:
+        """Plan this step's shared prefixes; if worth it, copy the plan to the shared graph's
+        inputs (padded rows and unused chunks: none) and say so."""
+        plan = plan_shared_prefixes(tables, ctx, self.block_size, self.shared_rows, bs // 2)
+        if plan is None:
+            return False
+        chunks, lens = plan
+        n = self.sizes[-1]
+        host = torch.empty(n + bs // 2 * (1 + self.shared_rows), dtype=torch.int32, pin_memory=pin)
+        a = host.numpy()
+        a[: len(lens)], a[len(lens) : n] = lens, 0
+        c = a[n:].reshape(bs // 2, 1 + self.shared_rows)
+        c[: len(chunks)], c[len(chunks) :] = chunks, -1
+        self.shared_buffer[: len(a)].copy_(host, non_blocking=True)
+        return True
+
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            context_lens: list[int], tables: list[list[int]],
+            context_lens: list[int], tables: np.ndarray,
             pending: tuple[list[int], list[int]] = ((), ())
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Host inputs of the real batch (B rows of query_len tokens, or one prompt chunk of up
-        to query_len tokens; `tables` rows of one width); `pending` (dst, src): input dst is
-        the previous step's sampled row src, which `last_sampled` holds. Returns hidden (one row
+        to query_len tokens; `tables` (B, W) int32); `pending` (dst, src): input dst is the
+        previous step's sampled row src, which `last_sampled` holds. Returns hidden (one row
         per token) and logits (one row per token, or the chunk's last token's); `last_sampled`
         then holds their greedy tokens."""
         b, q = len(context_lens), self.query_len
@@ -206,13 +296,15 @@ class DecodeGraphs:
         self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
         # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
-        self.block_tables[:b, : len(tables[0])].copy_(
-            torch.tensor(tables, dtype=torch.int32, pin_memory=pin), non_blocking=True
-        )
+        host_tables = torch.empty(tables.shape, dtype=torch.int32, pin_memory=pin)
+        host_tables.numpy()[:] = tables
+        self.block_tables[:b, : tables.shape[1]].copy_(host_tables, non_blocking=True)
+        shared = bs in self.shared_sizes and self._copy_shared_plan(tables, ctx[:b], bs, pin)
         if self.capture:
-            self.graphs[bs].replay()
+            self.graphs[bs, shared].replay()
         else:
-            self.outputs[bs] = self._run(bs, host_ctx + [q] * (bs - b))
+            self.outputs[bs, shared] = self._run(bs, host_ctx + [q] * (bs - b), shared)
         self.num_replays += 1
-        hidden, logits = self.outputs[bs]
+        self.num_shared_replays += shared
+        hidden, logits = self.outputs[bs, shared]
         return hidden[:n], logits if self.prefill else logits[:n]

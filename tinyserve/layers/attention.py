@@ -32,6 +32,9 @@ class AttentionMetadata:
     # in the same order (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU path, set lazily
+    # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
+    # cascade path (kernels/decode_attention.py); the torch path attends row by row anyway.
+    shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 _metadata: AttentionMetadata | None = None
@@ -191,6 +194,8 @@ class Attention(nn.Module):
             return decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
                 max_context_len=md.max_context_len or None, num_splits=md.num_splits,
+                shared_chunks=md.shared_prefix[0] if md.shared_prefix else None,
+                shared_lens=md.shared_prefix[1] if md.shared_prefix else None,
             )  # fmt: skip
         return prefill_attention(
             q, self.k_cache, self.v_cache, md.block_tables, md.cu_seqlens_q, md.context_lens,

@@ -22,11 +22,14 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # float32 logits for sampling. cuBLAS: matmul in the model dtype, then float (HF's
-        # logits.float()); the gemv writes its float32 accumulator directly (one launch less).
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits (N, V), into `out` if given. cuBLAS: matmul in the model dtype, then
+        float (HF's logits.float()); the gemv writes its float32 accumulator directly."""
         (m, _), v = hidden.shape, self.weight.shape[0]
         if hidden.is_cuda and gemv_beats_cublas(m, v):
-            out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
+            if out is None:
+                out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
             return gemv(hidden, self.weight, out)
-        return F.linear(hidden, self.weight).float()  # (N, V)
+        if out is None:
+            return F.linear(hidden, self.weight).float()
+        return out.copy_(F.linear(hidden, self.weight))
