@@ -113,6 +113,38 @@ def test_shared_prefix_graphs_match_eager(tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_mixed_batches_with_shared_prefixes_match_transformers(tmp_path, monkeypatch):
+    """64-token budgets interleave prompt chunks (some after prefix-cache hits) with decode
+    rows in one forward, then decode steps share prefixes: greedy = transformers."""
+    from tinyserve.runner import ModelRunner
+
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=4, max_position_embeddings=4096)
+    llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=16,
+              max_num_batched_tokens=64, enable_prefix_caching=True)  # fmt: skip
+    mixed = []
+    prepare = ModelRunner._prepare
+
+    def spy(self, batch):
+        h = prepare(self, batch)
+        mixed.append(1 in h.q_lens and max(h.q_lens) > 1)
+        return h
+
+    monkeypatch.setattr(ModelRunner, "_prepare", spy)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = to_hf(llm, path, torch.float32)
+    head = [(7 * j) % 4000 + 50 for j in range(200)]
+    prompts = [head + [(31 * i + j) % 3000 + 60 for j in range(5 + 9 * i)] for i in range(10)]
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)  # fmt: skip
+    assert sum(mixed) >= 5 and llm.engine.runner.graphs.num_shared_replays >= 1
+    for p, out in zip(prompts, got):
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
+                               min_new_tokens=16, do_sample=False, pad_token_id=0)  # fmt: skip
+        assert out.outputs[0].token_ids == want[0, len(p) :].tolist()
+    llm.engine.check_invariants()
+
+
 def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
     """MTP and n-gram speculation (k = 3) give the greedy tokens of plain decoding (fp32), with
     CUDA graphs on and off; with graphs on, the verify steps replay the verify graphs."""
