@@ -251,8 +251,9 @@ SHARED_BLOCK_M = 64  # query rows (member rows x query heads per kv head) of a s
 
 
 def shared_prefix_rows(num_heads: int, num_kv_heads: int) -> int:
-    """Member rows per shared-prefix chunk (R): as many as fill one tile of query rows."""
-    return max(1, SHARED_BLOCK_M // (num_heads // num_kv_heads))
+    """Member rows per shared-prefix chunk (R): as many as fill one tile of query rows; 0 where
+    one row's query heads per kv head do not fit a tile (no shared-prefix path)."""
+    return SHARED_BLOCK_M // (num_heads // num_kv_heads)
 
 
 def decode_attention(
@@ -306,6 +307,7 @@ def decode_attention(
     total = prefix_splits + num_splits
     if shared:
         rows = shared_prefix_rows(num_heads, num_kv_heads)
+        check(rows > 0, f"shared prefixes need Hq / Hkv <= {SHARED_BLOCK_M}")
         check(shared_lens is not None, "shared_chunks needs shared_lens")
         check(shared_chunks.dtype == torch.int32 and shared_chunks.dim() == 2
               and shared_chunks.shape[1] == 1 + rows and shared_chunks.stride(1) == 1,

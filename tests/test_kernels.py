@@ -502,6 +502,17 @@ def test_launchers_reject_bad_inputs():
         decode_attention(q.to(BF16), k_cache, v_cache, table, lens, 0.1)
     with pytest.raises(ValueError, match="multiple"):
         decode_attention(randn(2, 3, 64), k_cache, v_cache, table, lens, 0.1)
+    skip = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    chunks = torch.full((1, 1 + shared_prefix_rows(4, 2)), -1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="shared_chunks must be"):
+        decode_attention(q, k_cache, v_cache, table, lens, 0.1, shared_chunks=chunks[:, 1:],
+                         shared_lens=skip)  # fmt: skip
+    with pytest.raises(ValueError, match="shared_lens"):
+        decode_attention(q, k_cache, v_cache, table, lens, 0.1, shared_chunks=chunks)
+    with pytest.raises(ValueError, match="Hq / Hkv <= 64"):  # 128 query heads on one kv head
+        mqa_cache = k_cache[:, :, :1].contiguous()
+        decode_attention(randn(2, 128, 64), mqa_cache, mqa_cache, table, lens, 0.1,
+                         shared_chunks=chunks, shared_lens=skip)  # fmt: skip
     with pytest.raises(ValueError, match="rows"):
         gemv(randn(17, 64), randn(8, 64))
     with pytest.raises(ValueError, match="method"):

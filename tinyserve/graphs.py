@@ -137,12 +137,12 @@ class DecodeGraphs:
         # Shared-prefix (cascade) graphs: keyed (bs, True) beside the plain (bs, False) ones.
         # Their inputs: one int32 buffer of the shared lengths (n), then the chunks (n / 2 rows
         # of 1 + R; a plan needing more chunks leaves groups out), unused ones all -1.
-        self.shared_sizes = [s for s in self.sizes if s >= SHARED_MIN_BATCH] if (
-            shared_prefix and q == 1 and not prefill) else []  # fmt: skip
-        if self.shared_sizes:
-            from tinyserve.kernels.decode_attention import shared_prefix_rows
+        from tinyserve.kernels.decode_attention import shared_prefix_rows
 
-            self.shared_rows = shared_prefix_rows(attn.num_heads, attn.num_kv_heads)
+        self.shared_rows = shared_prefix_rows(attn.num_heads, attn.num_kv_heads)
+        self.shared_sizes = [s for s in self.sizes if s >= SHARED_MIN_BATCH] if (
+            shared_prefix and q == 1 and not prefill and self.shared_rows) else []  # fmt: skip
+        if self.shared_sizes:
             self.shared_buffer = torch.zeros(n + n // 2 * (1 + self.shared_rows),
                                              dtype=torch.int32, device=dev)  # fmt: skip
             self.shared_buffer[n:] = -1
