@@ -196,6 +196,23 @@ def test_plan_shared_prefixes_groups_rows_by_their_first_block():
     assert plan_shared_prefixes(tables, ctx * 100, bs, 3, 8, 3 * bs) is None
 
 
+def test_plan_shared_prefixes_sees_past_a_common_header():
+    """Every row starts with the same block (a chat template's header), then two system prompts
+    of 4 blocks each: two groups sharing 5 blocks, not one group sharing 1 (which would fall
+    under the minimum and share nothing)."""
+    import numpy as np
+
+    from tinyserve.graphs import plan_shared_prefixes
+
+    header, a, b = [3], [10, 11, 12, 13], [20, 21, 22, 23]
+    tables = np.array([header + (a if i % 2 else b) + [100 + i] for i in range(8)], np.int32)
+    ctx = np.full(8, 5 * 16 + 4, dtype=np.int32)
+    chunks, lens = plan_shared_prefixes(tables, ctx, 16, rows_per_chunk=4, max_chunks=4,
+                                        min_tokens=64)  # fmt: skip
+    assert lens.tolist() == [80] * 8
+    assert sorted(c[1:].tolist() for c in chunks) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
 def test_a_plan_of_pool_tables_gives_the_plain_attention():
     """Tables of a real block pool with prefix-cache hits (two prompts each shared by three
     sequences), planned and attended by the cascade kernel = the reference."""
