@@ -44,7 +44,15 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
 
 
-SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (sharing saves little there)
+SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
+
+
+def host_array(x: np.ndarray, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor holding `x`, pinned if asked (an async copy's source; `torch.tensor`
+    cannot pin an array)."""
+    host = torch.empty(x.shape, dtype=dtype, pin_memory=pin)
+    host.numpy()[:] = x
+    return host
 
 
 def plan_shared_prefixes(tables: np.ndarray, ctx: np.ndarray, block_size: int,
@@ -304,8 +312,7 @@ class DecodeGraphs:
         self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
         # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
-        host_tables = torch.empty(tables.shape, dtype=torch.int32, pin_memory=pin)
-        host_tables.numpy()[:] = tables
+        host_tables = host_array(tables, torch.int32, pin)
         self.block_tables[:b, : tables.shape[1]].copy_(host_tables, non_blocking=True)
         shared = bs in self.shared_sizes and self._copy_shared_plan(tables, ctx[:b], bs, pin)
         if self.capture:

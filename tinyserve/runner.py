@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
+from tinyserve.graphs import host_array
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
 from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
@@ -301,18 +302,17 @@ class ModelRunner:
                 logits_idx += range(cu_q[-1] - n, cu_q[-1])
                 draft_next += drafts[: n - 1] + [-1]
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)  # 3x faster than lists
+        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)  # one array, no nested lists
         for i, seq in enumerate(batch.seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         return HostInputs(input_ids, positions, slots, cu_q, ctx_lens, tables,
                           list(batch.num_new_tokens), logits_idx, seg_starts, draft_next,
                           next_ids, limits, sample_rows, dst, src)  # fmt: skip
 
-    def _tensor(self, x: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def _tensor(self, x: list | np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned, so the copy is async
-        if isinstance(x, np.ndarray):  # torch.tensor cannot pin an array
-            host = torch.empty(x.shape, dtype=dtype, pin_memory=pin)
-            host.numpy()[:] = x
+        if isinstance(x, np.ndarray):
+            host = host_array(x, dtype, pin)
         else:
             host = torch.tensor(x, dtype=dtype, pin_memory=pin)
         return host.to(self.device, non_blocking=True)
