@@ -199,6 +199,27 @@ def test_shared_prefix_graphs_give_the_eager_outputs(model_dir, overlap):
     assert llm.engine.runner.graphs.num_shared_replays > 5
 
 
+def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, monkeypatch):
+    """Every graph of a set writes its logits into one buffer (one per size would hold
+    bs x V floats each); a model whose query heads per kv head exceed one shared-prefix tile
+    gets no cascade graphs."""
+    from tinyserve.kernels import decode_attention
+
+    from tinyserve.graphs import DecodeGraphs
+
+    llm = with_replayed_graphs(make_llm(model_dir, max_num_seqs=16), shared_prefix=True)
+    graphs = llm.engine.runner.graphs
+    assert graphs.shared_sizes == [16]
+    outputs(llm, *workload(1))
+    assert len(graphs.outputs) >= 3
+    assert all(lg.data_ptr() == graphs.logits.data_ptr() for _, lg in graphs.outputs.values())
+    r = llm.engine.runner
+    monkeypatch.setattr(decode_attention, "shared_prefix_rows", lambda heads, kv_heads: 0)
+    untileable = DecodeGraphs(r.model, 16, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size,
+                              capture=False, shared_prefix=True)  # fmt: skip
+    assert untileable.shared_sizes == []
+
+
 @pytest.mark.parametrize("greedy_only", [True, False])
 def test_prefill_graphs_give_the_eager_outputs(model_dir, greedy_only):
     """One prompt at a time: each prompt chunk runs as a one-sequence prefill graph padded to
