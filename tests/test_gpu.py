@@ -220,10 +220,10 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     prompts = [[(13 * i + 5 * j) % 900 + 100 for j in range(12 + 5 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     seen = []
-    for eager in (False, True):
+    for eager in (False, True):  # the synchronous loop: the host holds the drafts
         llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=8,
                   num_kv_blocks=2048, speculative_method="mtp", num_speculative_tokens=3,
-                  enforce_eager=eager)  # fmt: skip
+                  enforce_eager=eager, async_scheduling=False)  # fmt: skip
         engine, drafts = llm.engine, []
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
@@ -239,6 +239,49 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     assert len(seen[0]) == len(seen[1])
     same = sum(a == b for a, b in zip(*seen))
     assert same >= 0.9 * len(seen[0]), (same, len(seen[0]))
+
+
+@pytest.mark.parametrize("force", [None, 2])
+def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force):
+    """MTP verify steps overlap: the next step's last token, drafts and positions come from
+    the step in flight on the device. Steady-state steps run under set_sync_debug_mode('error')
+    and give the synchronous loop's tokens (forced acceptance: every step moves positions)."""
+    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
+                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
+                     max_position_embeddings=4096)  # fmt: skip
+    prompts = [[(13 * i + 5 * j) % 900 + 100 for j in range(12 + 5 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outs = []
+    for overlap in (True, False):
+        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=8,
+                  num_kv_blocks=2048, speculative_method="mtp", num_speculative_tokens=3,
+                  spec_force_accept=force, async_scheduling=overlap)  # fmt: skip
+        engine = llm.engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        got: dict[str, list[int]] = {}
+        for n in range(200):
+            if not engine.has_unfinished():
+                break
+            strict = overlap and 3 <= n < 10  # after prefill and warm-up, before the ends
+            torch.cuda.set_sync_debug_mode("error" if strict else "default")
+            try:
+                deltas = engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for d in deltas:
+                got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+        assert not engine.has_unfinished()
+        engine.check_invariants()
+        assert engine.runner.verify_graphs.num_replays > 8
+        outs.append(got)
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    if force is None:
+        assert outs[0] == outs[1]
+    else:  # the overlapped loop drafts less in the last steps (a step in flight may accept)
+        assert all(outs[0][r][:-10] == outs[1][r][:-10] for r in outs[1])
 
 
 def test_pdl_on_off_identical(tmp_path, monkeypatch):

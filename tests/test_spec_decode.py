@@ -17,6 +17,7 @@ from tinyserve import LLM, SamplingParams
 from tinyserve.config import InvalidConfig
 from tinyserve.layers.attention import forward_context
 from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+from tinyserve.sequence import PLACEHOLDER
 from tinyserve.spec_decode import NgramProposer, accepted_counts
 
 VOCAB = 96
@@ -235,6 +236,132 @@ def test_forced_acceptance_emits_the_drafts(mimo_dir):
     assert run(zero, prompts(2)) == run(make_llm(mimo_dir), prompts(2)) != got
 
 
+# -- the overlapped loop with MTP --------------------------------------------------------------
+
+
+def traced(llm):
+    """Record per sequence each verify's (drafted, accepted), count the launches that took a
+    token from the step in flight, and check the invariants after every step."""
+    engine = llm.engine
+    trace = {"verifies": {}, "from_device": 0}
+    real_launch, real_step = engine.runner.launch, engine.step
+    for_seq = {}
+
+    def launch(batch, rows, prev=None):
+        trace["from_device"] += any(s.token_ids[-1] == PLACEHOLDER for s in batch.seqs)
+        return real_launch(batch, rows, prev)
+
+    def step():
+        before = {s.seq_id: (s.num_draft_tokens, s.num_accepted_tokens)
+                  for r in engine.requests.values() for s in r.seqs}  # fmt: skip
+        out = real_step()
+        for r in engine.requests.values():
+            for s in r.seqs:
+                d0, a0 = before.get(s.seq_id, (0, 0))
+                if s.num_draft_tokens > d0:
+                    for_seq.setdefault(s.seq_id, []).append(
+                        (s.num_draft_tokens - d0, s.num_accepted_tokens - a0)
+                    )
+        engine.check_invariants()
+        return out
+
+    engine.runner.launch, engine.step = launch, step
+    trace["verifies"] = for_seq
+    return trace
+
+
+def check_mtp_drafts(llm, k: int) -> list[int]:
+    """Compare each step's MTP drafts (read on the device side) with a from-scratch
+    computation over the tokens that step confirmed, away from the length limits."""
+    engine, real = llm.engine, llm.engine._post_process
+    checked = [0]
+
+    def post(step, deltas):
+        seqs = [step.batch.seqs[i] for i in step.sampled]
+        real(step, deltas)
+        if not seqs:
+            return  # a step of prompt chunks only: nothing sampled, nothing drafted
+        for seq, drafts in zip(seqs, step.pending.drafts.tolist()):
+            tokens = [t for t in seq.token_ids if t != PLACEHOLDER]
+            if not seq.is_finished and len(tokens) + 3 * k < seq.num_prompt_tokens + seq.max_tokens:
+                assert drafts == reference_drafts(engine.runner.model, tokens, k)
+                checked[0] += 1
+
+    engine._post_process = post
+    return checked
+
+
+@pytest.mark.parametrize(
+    "k,caching,budget,blocks",
+    [(1, True, 8192, None), (3, True, 16, None), (2, False, 64, None), (3, True, 64, 24)],
+)
+def test_overlapped_mtp_loop_equals_the_synchronous_one(mimo_dir, reference, k, caching,
+                                                        budget, blocks):  # fmt: skip
+    """Greedy MTP rows overlap: the next step takes its last token, its drafts and how far its
+    positions move from the step in flight, on the device. Same tokens as without speculation
+    and the same drafts as the synchronous loop (so the same acceptance), also under
+    preemption."""
+    kw = dict(speculative_method="mtp", num_speculative_tokens=k, enable_prefix_caching=caching,
+              max_num_batched_tokens=budget, num_kv_blocks=blocks)  # fmt: skip
+    sync, ov = make_llm(mimo_dir, async_scheduling=False, **kw), make_llm(mimo_dir, **kw)
+    t_sync, t_ov = traced(sync), traced(ov)
+    checked = check_mtp_drafts(ov, k)
+    assert run(sync, prompts()) == run(ov, prompts()) == reference
+    assert checked[0] > 50
+    assert t_ov["from_device"] > 10 and t_sync["from_device"] == 0
+    for seq_id, want in t_sync["verifies"].items():
+        got = t_ov["verifies"][seq_id]
+        # The overlapped loop drafts fewer near max_tokens (a step in flight may still accept
+        # some): compare up to the first verify that differs in size.
+        same = next(
+            (i for i, (g, w) in enumerate(zip(got, want)) if g[0] != w[0]), min(len(got), len(want))
+        )
+        assert same > 3 and got[:same] == want[:same], seq_id
+    if blocks:
+        assert ov.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("f", [1, 3])
+def test_overlapped_loop_moves_positions_by_the_accepted_drafts(mimo_dir, f):
+    """Forced acceptance: every step accepts f drafts, so every next step's positions, slots and
+    context lengths move on the device by f. The tokens equal the synchronous loop's until
+    the last few, where the overlapped loop drafts less."""
+    kw = dict(speculative_method="mtp", num_speculative_tokens=3, spec_force_accept=f)
+    sync, ov = make_llm(mimo_dir, async_scheduling=False, **kw), make_llm(mimo_dir, **kw)
+    t_ov, checked = traced(ov), check_mtp_drafts(ov, 3)
+    want, got = run(sync, prompts()), run(ov, prompts())
+    assert t_ov["from_device"] > 5 and checked[0] > 20
+    for g, w in zip(got, want):
+        assert len(g) == len(w) == GREEDY.max_tokens and g[:-8] == w[:-8]
+
+
+def test_sampled_request_switches_the_mtp_loop_to_synchronous(mimo_dir, reference):
+    """A seeded sampled request (its RNG counter needs the emitted count) makes the engine
+    drain the step in flight and run synchronously; greedy outputs do not change, and the
+    sampled one equals its output without speculation."""
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)
+    extra = [5, 6, 7, 8, 9]
+    want = run(make_llm(mimo_dir), [extra], sampled)[0]
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=2)
+    trace = traced(llm)
+    engine = llm.engine
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, GREEDY)
+    got: dict[str, list[int]] = {}
+    for n in range(1000):
+        if not engine.has_unfinished():
+            break
+        if n == 6:
+            engine.add_request("s", extra, sampled)
+        for d in engine.step():  # a drain and a step in one call: two outputs per request
+            for o in d.outputs:
+                got.setdefault(d.request_id, []).extend(o.token_ids)
+    assert trace["from_device"] > 3
+    assert [got[str(i)] for i in range(len(reference))] == reference
+    assert got["s"] == want
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
 # -- MTP drafts are exact -------------------------------------------------------------------------
 
 
@@ -270,8 +397,11 @@ def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
 def test_mtp_drafts_equal_a_from_scratch_computation(mimo_dir, k, caching, budget):
     """The paged MTP KV (chunked prefill, prefix hits keyed on the next token, rollback of
     rejected slots, chained lookahead) gives the same drafts as recomputing from scratch."""
+    # The synchronous loop: the host holds each step's drafts (the overlapped loop keeps them on
+    # the device; the test below compares the two loops' acceptance).
     llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=k,
-                   enable_prefix_caching=caching, max_num_batched_tokens=budget)  # fmt: skip
+                   enable_prefix_caching=caching, max_num_batched_tokens=budget,
+                   async_scheduling=False)  # fmt: skip
     engine = llm.engine
     for i, p in enumerate(prompts(4)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

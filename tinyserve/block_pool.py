@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from tinyserve.prefix_trie import PrefixTrie
-from tinyserve.sequence import Sequence
+from tinyserve.sequence import PLACEHOLDER, Sequence
 
 
 class BlockPool:
@@ -75,7 +75,9 @@ class BlockPool:
         num = self.num_new_blocks(seq, num_new_tokens)
         if num:
             seq.block_table.extend(self.allocate(num))
-        seq.kv_token_limit = seq.num_kv_computed + num_new_tokens
+        # Never lower: the overlapped speculative loop may still write slots a step in flight
+        # reserved (its own `trim` waits until no step is in flight).
+        seq.kv_token_limit = max(seq.kv_token_limit, seq.num_kv_computed + num_new_tokens)
 
     def trim(self, seq: Sequence) -> None:
         """Release lookahead blocks beyond the computed KV (e.g. rejected speculative slots)."""
@@ -132,7 +134,10 @@ class BlockPool:
         if self.trie is None:
             return
         bs = self.block_size
-        for i in range(seq.num_committed_blocks, seq.num_kv_computed // bs):
+        end = seq.num_kv_computed
+        if self.key_next_token:  # keys hold the token after the block: known ones only
+            end = min(end, len(seq.token_ids) - 1 - (seq.token_ids[-1] == PLACEHOLDER))
+        for i in range(seq.num_committed_blocks, end // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             own = seq.block_table[i]
             node = self.trie.insert(seq.trie_node, tokens, self.block_extra(seq, i), own)
@@ -143,7 +148,7 @@ class BlockPool:
                 self.free([own])
                 seq.block_table[i] = node
             seq.trie_node = node
-        seq.num_committed_blocks = max(seq.num_committed_blocks, seq.num_kv_computed // bs)
+        seq.num_committed_blocks = max(seq.num_committed_blocks, end // bs)
 
     def check_invariants(self, seqs: list[Sequence] = ()) -> None:
         """Refcounts equal the live block tables holding each block; every block in one state."""

@@ -22,7 +22,7 @@ from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.runner import ModelRunner, PendingStep
 from tinyserve.sampling import InvalidParameter, SamplingParams, SamplingRow
 from tinyserve.scheduler import ScheduledBatch, Scheduler
-from tinyserve.sequence import PLACEHOLDER, Sequence
+from tinyserve.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.spec_decode import NgramProposer, SpecStats
 from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -33,12 +33,19 @@ def _needs_token_values(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
+def _needs_output_count(p: SamplingParams) -> bool:
+    """Sampling that reads how many tokens a row has emitted (the per-position RNG counter,
+    the min_tokens stop mask): not knowable on the host while drafts are being verified."""
+    return not p.is_greedy or p.min_tokens > 0
+
+
 @dataclass(slots=True)
 class InFlight:
     """A launched step awaiting post-processing."""
 
     batch: ScheduledBatch
     sampled: list[int]  # batch rows that sample
+    drafted: list[int]  # drafts each batch row carried
     pending: PendingStep
     # Overlapped loop: batch row -> index of its PLACEHOLDER in token_ids (None: synchronous).
     positions: dict[int, int] | None
@@ -111,7 +118,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
-        self._num_token_value_requests = 0  # requests with penalties, kept by step()
+        self._num_sync_requests = 0  # requests the overlapped loop cannot run, kept by step()
         self._new: deque[Request] = deque()
         self._aborted: deque[str] = deque()
         self._rng = random.Random(config.seed)
@@ -196,7 +203,7 @@ class LLMEngine:
         while self._new:
             req = self._new.popleft()
             self.requests[req.request_id] = req
-            self._num_token_value_requests += _needs_token_values(req.params)
+            self._num_sync_requests += self._needs_sync(req.params)
             for seq in req.seqs:
                 self.scheduler.add(seq)
         while self._aborted:
@@ -222,32 +229,43 @@ class LLMEngine:
             if batch is not None:
                 self._post_process(self._launch(batch, overlap=False), deltas)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
-            self._num_token_value_requests -= _needs_token_values(self.requests.pop(rid).params)
+            self._num_sync_requests -= self._needs_sync(self.requests.pop(rid).params)
         return list(deltas.values())
+
+    def _needs_sync(self, p: SamplingParams) -> bool:
+        spec = bool(self.num_speculative_tokens)
+        return _needs_token_values(p) or (spec and _needs_output_count(p))
 
     def _can_overlap(self) -> bool:
         """The overlapped loop needs every next input computable on the device: not with
-        speculation (drafts depend on what was accepted) nor penalties (they count tokens)."""
-        if not self.config.async_scheduling or self.num_speculative_tokens:
+        penalties (they count token values), nor with host-side drafters (n-gram drafts read
+        the accepted tokens). MTP drafts, the accepted counts and the positions they move stay
+        on the device, for rows whose sampling does not depend on their output count."""
+        if not self.config.async_scheduling or self.proposer is not None:
             return False
-        return self._num_token_value_requests == 0  # O(1): this runs every step
+        return self._num_sync_requests == 0  # O(1): this runs every step
 
     def _launch(self, batch: ScheduledBatch, overlap: bool) -> InFlight:
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
+        drafted = [len(seq.draft_ids) for seq in batch.seqs]
         prev = self._in_flight.pending if overlap and self._in_flight else None
         pending = self.runner.launch(batch, rows, prev)
         positions = None
         if overlap:  # advance now: the next schedule must see this step's tokens as computed
             positions = {}
-            for seq, num in zip(batch.seqs, batch.num_new_tokens):
-                seq.num_kv_computed += num
-            for i, row in zip(sampled, pending.seg_starts):
+            for seq, num, d in zip(batch.seqs, batch.num_new_tokens, drafted):
+                seq.num_kv_computed += num - d  # drafts count once verified (post-process)
+            for j, i in enumerate(sampled):
                 seq = batch.seqs[i]
                 positions[i] = len(seq.token_ids)
                 seq.token_ids.append(PLACEHOLDER)
-                seq.pending_row = row
-        return InFlight(batch, sampled, pending, positions)
+                seq.pending_row = j
+                if self.num_speculative_tokens:  # the next step drafts from the device
+                    in_flight = seq.num_unverified + drafted[i]  # this step's and the last's
+                    seq.draft_ids = [PLACEHOLDER] * self._num_drafts(seq, in_flight)
+                    seq.num_unverified = drafted[i]
+        return InFlight(batch, sampled, drafted, pending, positions)
 
     def _post_process(self, step: InFlight, deltas: dict) -> None:
         """Verified tokens in, stop checks, detokenize, commit full blocks, free; drafts."""
@@ -264,33 +282,46 @@ class LLMEngine:
                 continue
             later: list[int] = []
             if step.positions is not None:  # overlap: the placeholder, and any after it
-                pos = step.positions[i]
+                # Accepted drafts of an earlier step may have moved it right since the launch.
+                pos = seq.token_ids.index(PLACEHOLDER, step.positions[i])
                 later = seq.token_ids[pos + 1 :]
                 del seq.token_ids[pos:]
-            num_drafts = len(seq.draft_ids)
+            num_drafts = step.drafted[i]
             if num_drafts:
                 self.spec_stats.record(num_drafts, len(out.tokens) - 1)
                 seq.num_draft_tokens += num_drafts
                 seq.num_accepted_tokens += len(out.tokens) - 1
             reason, delta = self._append_tokens(seq, out.tokens)
+            running = seq.status is SequenceStatus.RUNNING  # not preempted meanwhile
             if step.positions is None:
                 # Every token but the last now has KV (rejected drafts' slots are garbage).
                 seq.num_kv_computed = seq.num_tokens - 1
-            elif reason is None:
-                seq.token_ids += later  # the next step's placeholder goes back after it
+            else:
+                if running:
+                    seq.num_kv_computed += len(out.tokens) - 1  # the accepted drafts' KV
+                if reason is None:
+                    seq.token_ids += later  # the next step's placeholder goes back after it
             self.pool.commit(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            elif self.num_speculative_tokens:
-                self.pool.trim(seq)  # release the lookahead slots past the verified tokens
-                seq.draft_ids = self._drafts(seq, out.draft_ids)
+            elif self.num_speculative_tokens and not later:
+                # No step of this row in flight: release the lookahead slots past the verified
+                # tokens, and the next step drafts on the host's copy. (With one in flight, its
+                # drafts are on the device and it may still write those slots.)
+                seq.num_unverified = 0
+                self.pool.trim(seq)
+                seq.draft_ids = self._drafts(seq, out.draft_ids) if running else []
             self._delta(deltas, self.requests[seq.request_id], seq, *delta)
 
+    def _num_drafts(self, seq: Sequence, in_flight: int = 0) -> int:
+        """Drafts the next step may carry without passing max_tokens or max_model_len, when
+        steps in flight may still accept up to `in_flight` drafts."""
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(0, min(self.num_speculative_tokens, room - 1 - in_flight))
+
     def _drafts(self, seq: Sequence, mtp_drafts: list[int]) -> list[int]:
-        """Next step's drafts, cut so that the step cannot pass max_tokens or max_model_len."""
-        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        num = min(self.num_speculative_tokens, room)
-        if num <= 0:
+        num = self._num_drafts(seq)
+        if num == 0:
             return []
         if self.proposer is not None:
             return self.proposer.propose(seq.token_ids)[:num]
@@ -365,7 +396,7 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        recount = sum(_needs_token_values(r.params) for r in self.requests.values())
-        assert self._num_token_value_requests == recount, "penalty request count drifted"
+        recount = sum(self._needs_sync(r.params) for r in self.requests.values())
+        assert self._num_sync_requests == recount, "sync request count drifted"
         if not self.scheduler.has_work:
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"

@@ -285,13 +285,14 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             context_lens: list[int], tables: np.ndarray,
-            pending: tuple[list[int], list[int]] = ((), ())
+            pending: tuple[list[int], list[int]] = ((), ()), fix=None,
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Host inputs of the real batch (B rows of query_len tokens, or one prompt chunk of up
         to query_len tokens; `tables` (B, W) int32); `pending` (dst, src): input dst is the
         previous step's sampled row src, which `last_sampled` holds. Returns hidden (one row
         per token) and logits (one row per token, or the chunk's last token's); `last_sampled`
-        then holds their greedy tokens."""
+        then holds their greedy tokens. `fix(ids, positions, slots, context_lens, tables)`
+        edits the copied inputs on the device before the replay."""
         b, q = len(context_lens), self.query_len
         bs = next(s for s in self.sizes if s >= b)
         m, n = bs * q, len(input_ids)
@@ -314,6 +315,12 @@ class DecodeGraphs:
         # and only up to context_lens, so they are harmless.
         host_tables = host_array(tables, torch.int32, pin)
         self.block_tables[:b, : tables.shape[1]].copy_(host_tables, non_blocking=True)
+        if fix is not None:
+            ids, _, dev_positions, dev_slots, _, dev_ctx = self._fields(bs)
+            fix(ids, dev_positions, dev_slots, dev_ctx, self.block_tables[:bs])
+            if not self.capture:  # the CPU attention reads host lengths
+                host_ctx = dev_ctx[:b].tolist()
+        # A fix only lengthens contexts: a plan on the host's lengths shares no written block.
         shared = bs in self.shared_sizes and self._copy_shared_plan(tables, ctx[:b], bs, pin)
         if self.capture:
             self.graphs[bs, shared].replay()

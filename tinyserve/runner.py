@@ -59,6 +59,14 @@ class HostInputs:
     sample_rows: list[int]  # (S,) batch row of each sampling sequence
     dst: list[int]  # input positions whose token the previous step sampled ...
     src: list[int]  # ... and its sampled row there
+    # The overlapped speculative loop: tokens whose value and position come from the step in
+    # flight (the row's last token, then its MTP drafts), one entry per token ...
+    shift_tok: list[int]  # token index in this step
+    shift_seq: list[int]  # the in-flight step's sampling sequence it follows
+    shift_j: list[int]  # 0 for the row's last token, j for its j-th draft
+    shift_row: list[int]  # batch row
+    shift_num: list[int]  # drafts the row carries
+    shift_logit: list[int]  # its logits row
 
     @property
     def spec(self) -> bool:
@@ -81,6 +89,7 @@ class StepInputs:
     max_kv_limit: int
     sample_rows: torch.Tensor | None  # (S,) MTP only
     pending: tuple[torch.Tensor, torch.Tensor] | None  # (dst, src)
+    shift: tuple[torch.Tensor, ...] | None  # HostInputs.shift_* on the device
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -99,6 +108,11 @@ class PendingStep:
     def __init__(self, seg_starts: list[int], rows: list[SamplingRow],
                  sampled: torch.Tensor | None = None) -> None:  # fmt: skip
         self.seg_starts, self.rows, self.sampled = seg_starts, rows, sampled
+        # MTP steps, for the next step's inputs: (S,) first logits row and accepted drafts of
+        # each sampling sequence (None: none accepted), (S, k) its drafts; all on the device.
+        self.seg_dev: torch.Tensor | None = None
+        self.accepted: torch.Tensor | None = None
+        self.drafts: torch.Tensor | None = None
         self.host: list[torch.Tensor | None] = []
         self.event: torch.cuda.Event | None = None
 
@@ -251,6 +265,7 @@ class ModelRunner:
         src: list[int] = []  # ... and the previous step's sampled row holding it
         limits: list[int] = []  # per sampled sequence: KV slots it owns
         sample_rows: list[int] = []  # per sampled sequence: its batch row
+        shift: tuple[list[int], ...] = ([], [], [], [], [], [])  # HostInputs.shift_*
         for row, (seq, num) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_kv_computed, seq.num_kv_computed + num
             drafts = seq.draft_ids
@@ -275,14 +290,24 @@ class ModelRunner:
                 continue
             tokens = seq.token_ids + drafts if drafts else seq.token_ids
             chunk = tokens[start:end]
-            if seq.pending_row is not None and PLACEHOLDER in chunk:
+            if self.mtp is not None and chunk[0] == PLACEHOLDER:
+                # The overlapped speculative loop: the last token and the drafts are the step
+                # in flight's, and so is how far they move (`_shift`, on the device).
+                assert end == seq.num_tokens + len(drafts), "a pending token in a prefill"
+                first, logit = len(input_ids), len(logits_idx)
+                for j in range(num):
+                    entry = (first + j, seq.pending_row, j, row, len(drafts), logit + j)
+                    for lst, v in zip(shift, entry):
+                        lst.append(v)
+                chunk = [0] * num
+            elif seq.pending_row is not None and PLACEHOLDER in chunk:
                 j = chunk.index(PLACEHOLDER)
                 dst.append(len(input_ids) + j)
                 src.append(seq.pending_row)
                 chunk = chunk[:j] + [0] + chunk[j + 1 :]
             input_ids += chunk
             if self.mtp is not None:
-                following = tokens[start + 1 : end + 1]
+                following = chunk[1:] + tokens[end : end + 1]
                 next_ids += following + [0] * (num - len(following))  # sampled ones: on device
             positions += range(start, end)
             table = seq.block_table
@@ -307,7 +332,7 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = seq.block_table
         return HostInputs(input_ids, positions, slots, cu_q, ctx_lens, tables,
                           list(batch.num_new_tokens), logits_idx, seg_starts, draft_next,
-                          next_ids, limits, sample_rows, dst, src)  # fmt: skip
+                          next_ids, limits, sample_rows, dst, src, *shift)  # fmt: skip
 
     def _tensor(self, x: list | np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned, so the copy is async
@@ -353,7 +378,9 @@ class ModelRunner:
             max_kv_limit=max(h.limits, default=0),
             sample_rows=t(h.sample_rows) if mtp else None,
             pending=(t(h.dst), t(h.src)) if h.dst else None,
-        )
+            shift=tuple(t(a) for a in (h.shift_tok, h.shift_seq, h.shift_j, h.shift_row,
+                                       h.shift_num, h.shift_logit)) if h.shift_tok else None,
+        )  # fmt: skip
 
     def _graphs_for(self, h: HostInputs):
         """The graph set that runs this step, or None (eager): decode-only batches, and verify
@@ -390,9 +417,23 @@ class ModelRunner:
         graphs = self._graphs_for(h)
         # Plain graph steps copy nothing else to the device: the graph reads its own buffer.
         x = self._device_inputs(h) if graphs is None or h.spec or self.mtp is not None else None
+        fix = None
+        if x is not None and x.shift is not None:  # tokens of the MTP step in flight
+
+            def fix(ids, positions, slots, ctx, tables, draft_next=None):
+                self._shift(prev, x.shift, ids, positions, slots, ctx, tables, draft_next)
+
+            md = x.metadata
+            fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables,
+                x.draft_next)  # fmt: skip
+            if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync here)
+                md.context_lens_cpu = md.context_lens.tolist()
+                md.max_context_len = max(md.context_lens_cpu)
+            else:
+                md.max_context_len += self.config.num_speculative_tokens
         if graphs is not None:
             hidden, all_logits = graphs.run(h.input_ids, h.positions, h.slots, h.ctx_lens,
-                                            h.tables, (h.dst, h.src))  # fmt: skip
+                                            h.tables, (h.dst, h.src), fix)  # fmt: skip
         else:
             if x.pending is not None:  # the overlapped loop: inputs sampled by `prev`
                 dst, src = x.pending
@@ -441,6 +482,8 @@ class ModelRunner:
             graphed = graphs is not None and graphs is self.verify_graphs
             drafts = self._mtp_drafts(x, hidden, sampled, accepted, graphed)
         step = PendingStep(h.seg_starts, rows, sampled)
+        if self.mtp is not None:  # the next step may start from these on the device
+            step.seg_dev, step.accepted, step.drafts = x.seg_starts, accepted, drafts
         # Device -> pinned host copies, then an event: `result()` waits on that event only.
         step.host = [_to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
                                            result.top_ids, result.top_logprobs)]  # fmt: skip
@@ -448,6 +491,27 @@ class ModelRunner:
             step.event = torch.cuda.Event()
             step.event.record()
         return step
+
+    def _shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...], ids: torch.Tensor,
+               positions: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
+               tables: torch.Tensor, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Complete, in place and on the device, the rows that continue an MTP step still in
+        flight: their last token is its emitted one (the target's token after the accepted
+        drafts), their drafts are its MTP drafts, and every position, slot and context length
+        moves up by the drafts it accepted (the host built them as if it accepted none)."""
+        tok, seq, j, row, num, logit = shift
+        accepted = prev.accepted if prev.accepted is not None else torch.zeros_like(prev.seg_dev)
+        a = accepted[seq]
+        k = prev.drafts.shape[1]
+        last = prev.sampled[prev.seg_dev[seq] + a]
+        ids[tok] = torch.where(j == 0, last, prev.drafts[seq, (j - 1).clamp(min=0)])
+        pos = positions[tok] + a
+        positions[tok] = pos
+        bs = self.block_size
+        slots[tok] = tables[row, pos // bs].long() * bs + pos % bs
+        ctx[row] = ctx[row] + a.to(ctx.dtype)  # every token of a row writes the same value
+        if draft_next is not None:
+            draft_next[logit] = torch.where(j < num, prev.drafts[seq, j.clamp(max=k - 1)], -1)
 
     def _mtp_first_pass(self, md: AttentionMetadata, positions: torch.Tensor,
                         hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tinyserve.block_pool import BlockPool
-from tinyserve.sequence import Sequence, SequenceStatus
+from tinyserve.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 AGING_STEPS = 4  # a long prefill waits at most this many steps behind short prompts
 
@@ -115,12 +115,14 @@ class Scheduler:
         if self._budget == 0 or seq.status is not SequenceStatus.RUNNING:
             return  # out of budget, or preempted earlier in this step
         uncomputed = seq.num_uncomputed
-        if uncomputed == 1 and not seq.draft_ids and not self.spec_lookahead:
+        shift = seq.num_unverified
+        if uncomputed == 1 and not seq.draft_ids and not self.spec_lookahead and not shift:
             num, extra = 1, 0  # the common decode row
         else:
             num = min(uncomputed + len(seq.draft_ids), self._budget)
             del seq.draft_ids[max(0, num - uncomputed) :]  # a short budget cuts drafts
-            extra = self._lookahead(seq, num)
+            # Drafts the step in flight accepts move this step's slots up by as many.
+            extra = shift + self._lookahead(seq, num + shift)
         while not self.pool.can_append(seq, num + extra):
             victim = self._pick_victim()
             self._preempt(victim)
@@ -133,6 +135,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool | None:
         """Admitted (True), deferred a step (False), or no KV for its first chunk (None)."""
+        if seq.token_ids[-1] == PLACEHOLDER:
+            return False  # preempted while its step was in flight: wait for that step's tokens
         matched = self.pool.match_prefix(seq)  # tentative: undone below unless admitted
         num = min(seq.num_uncomputed, self._budget)
         extra = self._lookahead(seq, num)

@@ -48,7 +48,10 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    pending_row: int | None = None  # the in-flight step's sampled row of its PLACEHOLDER
+    pending_row: int | None = None  # the in-flight step's sampling sequence of its PLACEHOLDER
+    # Overlapped speculative loop: drafts of the step in flight, whose acceptance (unknown on
+    # the host until it finishes) moves the next step's positions by up to this many.
+    num_unverified: int = 0
     num_preemptions: int = 0
     last_scheduled_step: int = 0  # for aging: long prefills are not starved forever
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
