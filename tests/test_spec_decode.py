@@ -362,6 +362,36 @@ def test_sampled_request_switches_the_mtp_loop_to_synchronous(mimo_dir, referenc
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
+def test_abort_and_stop_while_an_mtp_step_is_in_flight(mimo_dir, reference):
+    """An abort lands while the aborted row's verify step is in flight, and a stop token ends
+    a row whose next step was already launched: the others' tokens never change, the stopped
+    row ends at its stop token, and no block leaks."""
+    stop = reference[2][9]
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3)
+    trace, engine = traced(llm), llm.engine
+    stopping = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, stopping if i == 2 else GREEDY)
+    got: dict[str, list[int]] = {}
+    reasons = {}
+    for n in range(1000):
+        if not engine.has_unfinished():
+            break
+        if n == 8:
+            assert engine._in_flight is not None
+            engine.abort("0")
+        for d in engine.step():
+            for o in d.outputs:
+                got.setdefault(d.request_id, []).extend(o.token_ids)
+                reasons[d.request_id] = o.finish_reason or reasons.get(d.request_id)
+    assert trace["from_device"] > 5
+    assert reasons["0"] == "abort" and reference[0][: len(got["0"])] == got["0"]
+    cut = reference[2].index(stop) + 1
+    assert got["2"] == reference[2][:cut] and reasons["2"] == "stop"
+    assert all(got[str(i)] == reference[i] for i in (1, 3, 4, 5))
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
 # -- MTP drafts are exact -------------------------------------------------------------------------
 
 

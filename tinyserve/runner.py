@@ -458,8 +458,9 @@ class ModelRunner:
                 logits = all_logits[idx]
             else:
                 logits = self.model.compute_logits(hidden[idx])  # (R, V) float32
-        if graph_rows and graphs is not self.verify_graphs and _plain_greedy(rows):
-            # The graph's own argmax is exactly what `sample` would compute.
+        if graph_rows and _plain_greedy(rows):
+            # The graph's own argmax is exactly what `sample` would compute (verify graphs too:
+            # the next step reads it, on the device, before the next replay rewrites it).
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
         else:
             self._mask_stop_tokens(logits, rows)
