@@ -26,7 +26,7 @@ class LMHead(VocabEmbedding):
         """float32 logits (N, V), into `out` if given. cuBLAS: matmul in the model dtype, then
         float (HF's logits.float()); the gemv writes its float32 accumulator directly."""
         (m, _), v = hidden.shape, self.weight.shape[0]
-        if hidden.is_cuda and gemv_beats_cublas(m, v):
+        if hidden.is_cuda and gemv_beats_cublas(m, v, hidden.shape[1]):
             if out is None:
                 out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
             return gemv(hidden, self.weight, out)

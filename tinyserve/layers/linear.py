@@ -57,7 +57,7 @@ class Linear(nn.Module):
     def _use_gemv(self, x: torch.Tensor) -> bool:
         # Batch-1 decode: the Triton gemv streams weights faster than cuBLAS, and its prologues
         # fuse the norm / activation that feeds the matmul (one launch instead of two).
-        return x.is_cuda and gemv_beats_cublas(x.shape[0], self.weight.shape[0])
+        return x.is_cuda and gemv_beats_cublas(x.shape[0], *self.weight.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_gemv(x):
