@@ -146,11 +146,11 @@ def dot_config(n: int, device: torch.device) -> tuple[int, int]:
 def gemv_beats_cublas(m: int, n: int, k: int) -> bool:
     """Where this kernel measured faster than F.linear (H100, bf16, CUDA-graph replays): every
     M = 1 shape (1.02-1.65x at Qwen3-0.6B / Llama-3.1-8B sizes), M = 2..8 for LM-head sized N
-    (1.05-1.09x at N = 128k-152k), and M = 2 (a batch-1 verify step with one draft) for wide N
-    (dot: MiMo-7B gate_up 1.13x, Llama-3.1-8B 1.00-1.06x) and square W (stream: 4096 x 4096
-    attention out, 1.15-1.16x). Other M = 2 shapes tie or lose (qkv, down; every qwen3-0.6b
-    shape but the LM head)."""
-    return m == 1 or (m <= 8 and n >= 65536) or (m == 2 and (n >= 16384 or n == k))
+    (1.05-1.09x at N = 128k-152k), and M = 2 (a batch-1 verify step with one draft, batch-2
+    decode) for wide W (dot: MiMo-7B gate_up 1.13x, Llama-3.1-8B 1.00-1.06x) and W with N <= K
+    (stream: attention out 1.16-1.48x, down 1.04-1.42x; MiMo-7B down 0.98x). qkv (N > K) and
+    the other wide-ish shapes (Qwen3-0.6B gate_up 6144 x 1024) lose at M = 2."""
+    return m == 1 or (m <= 8 and n >= 65536) or (m == 2 and (n >= 16384 or n <= k))
 
 
 def norm_prologue_pays(k: int) -> bool:
@@ -179,7 +179,7 @@ def gemv(
 ) -> torch.Tensor:
     """x (M, K) with M <= 16, weight (N, K) -> (M, N) in x's dtype, or float32 into a float32
     `out` (rounded once, from the float32 accumulator), + bias (N,). `method`:
-    "stream" (the default for M = 1, a bias, a prologue or a square W) or "dot" (otherwise).
+    "stream" (the default for M = 1, a bias, a prologue or N <= K) or "dot" (otherwise).
 
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
     `norm=(norm_weight (K,), eps)` multiplies RMSNorm(x + residual) instead of x and writes
@@ -220,8 +220,8 @@ def gemv(
     else:
         check(residual is None, "a residual needs the norm prologue")
     check(len({t.device for t in tensors}) == 1, "all inputs on one device")
-    if method is None:  # square W at M = 2: stream measured 1.15x, dot 0.75x cuBLAS
-        method = "stream" if m == 1 or prologue or bias is not None or n == k else "dot"
+    if method is None:  # N <= K at M = 2: stream measured 1.04-1.48x cuBLAS, dot 0.72-0.97x
+        method = "stream" if m == 1 or prologue or bias is not None or n <= k else "dot"
     check(method in ("stream", "dot"), f"unknown method {method!r}")
     check(method == "stream" or not (prologue or bias is not None), "dot has no prologue/bias")
     args = (x, weight, out)
