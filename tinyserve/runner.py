@@ -8,6 +8,7 @@ pinned host memory. The engine calls it while the next step already runs (the ov
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,6 +169,13 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = dtype
         self.block_size = config.block_size
+        if self.device.type == "cuda":
+            # Engines dropped earlier in this process (notebooks, tests) may still hold memory
+            # through reference cycles, or leave it cached: free and return it before loading,
+            # or the weights land inside a dead KV cache's segment, which then cannot be
+            # returned, and the new KV cache does not fit (seen on the H100).
+            gc.collect()
+            torch.cuda.empty_cache()
         self.model = load_model(model_config, dtype, self.device, config.load_format, config.seed,
                                 with_mtp=config.speculative_method == "mtp")  # fmt: skip
         self.mtp = self.model.mtp
@@ -241,8 +249,13 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.gpu_memory_utilization - peak - used_by_others
+        util = self.config.gpu_memory_utilization
+        budget = total * util - peak - used_by_others
         torch.cuda.empty_cache()
+        # The KV cache is one allocation, and cached segments that a live tensor splits cannot
+        # hold it (seen on the H100 after an earlier engine in the process: an OOM asking for
+        # 67 GB with 68 GB cached), so it must also fit the device's own free memory.
+        budget = min(budget, torch.cuda.mem_get_info(self.device)[0] - (1 - util) * total)
         if budget < self.kv_bytes_per_block:
             raise RuntimeError(
                 f"no memory left for the KV cache at gpu_memory_utilization="
