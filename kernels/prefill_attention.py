@@ -103,8 +103,10 @@ def _prefill_kernel(
     bt_row = bt_ptr + b * stride_bt
     first_pos = prefix_len + q_tile * BLOCK_Q
     kv_end = tl.minimum(context_len, first_pos + BLOCK_Q)  # past the last key any row sees
-    # Keys [0, full_end) are visible to every row: no masks there. The rest is masked.
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    # Keys [0, full_end) are visible to every row: no masks there. The rest is masked. Never
+    # below key 0: inputs with context_len < q_len (a CUDA graph's warm-up on zeroed buffers)
+    # must read nothing rather than table entries before the row.
+    full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, 0)
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, k_base, v_base, bt_row, pos, kv_end, d, scale_log2e,

@@ -642,3 +642,20 @@ def test_small_ops_gpu_real_shapes():
     keys = torch.randint(-(2**62), 2**62, (64,), device=DEVICE)
     logits = randn(64, 151936, scale=3.0)
     assert torch.equal(sample_race(logits, keys), sample_race_ref(logits, keys))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_prefill_attention_reads_nothing_for_zero_contexts_gpu(block_m):
+    """A CUDA graph's warm-up runs on zeroed buffers: context lengths 0 under long queries
+    must read no table entry before the row (an illegal address before the guard, seen with
+    128-row tiles)."""
+    lens = [2304, 128, 1500]
+    k_cache, v_cache, table, _ = paged_cache(3, lens, 8, 128, 16, BF16)
+    cu = torch.tensor([0, 256, 384, 1084], dtype=torch.int32, device=DEVICE)
+    q = randn(1084, 16, 128, dtype=BF16)
+    zero = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    prefill_attention(q, k_cache, v_cache, table, cu, zero, 700, 128**-0.5, block_m=block_m,
+                      block_n=32)  # fmt: skip
+    torch.cuda.synchronize()  # an illegal address would raise here
