@@ -241,16 +241,17 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     assert same >= 0.9 * len(seen[0]), (same, len(seen[0]))
 
 
-@pytest.mark.parametrize("force", [None, 2])
-def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force):
-    """MTP verify steps overlap: the next step's last token, drafts and positions come from
-    the step in flight on the device. Steady-state steps run under set_sync_debug_mode('error')
-    and give the synchronous loop's tokens (forced acceptance: every step moves positions)."""
+@pytest.mark.parametrize(("force", "temperature"), [(None, 0), (2, 0), (2, 0.8)])
+def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force, temperature):
+    """MTP verify steps overlap: the next step's last token, drafts, positions and (seeded
+    sampling) RNG counters come from the step in flight on the device. Steady-state steps run
+    under set_sync_debug_mode('error') and give the synchronous loop's tokens (forced
+    acceptance: every step moves positions and counters)."""
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=4096)  # fmt: skip
     prompts = [[(13 * i + 5 * j) % 900 + 100 for j in range(12 + 5 * i)] for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=60, ignore_eos=True)
     outs = []
     for overlap in (True, False):
         llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=8,

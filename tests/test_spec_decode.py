@@ -335,11 +335,11 @@ def test_overlapped_loop_moves_positions_by_the_accepted_drafts(mimo_dir, f):
         assert len(g) == len(w) == GREEDY.max_tokens and g[:-8] == w[:-8]
 
 
-def test_sampled_request_switches_the_mtp_loop_to_synchronous(mimo_dir, reference):
-    """A seeded sampled request (its RNG counter needs the emitted count) makes the engine
-    drain the step in flight and run synchronously; greedy outputs do not change, and the
-    sampled one equals its output without speculation."""
-    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)
+def test_min_tokens_request_switches_the_mtp_loop_to_synchronous(mimo_dir, reference):
+    """A min_tokens request (its stop mask reads the emitted count on the host) makes the
+    engine drain the step in flight and run synchronously; greedy outputs do not change, and
+    that request equals its output without speculation."""
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=20, min_tokens=5)
     extra = [5, 6, 7, 8, 9]
     want = run(make_llm(mimo_dir), [extra], sampled)[0]
     llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=2)
@@ -360,6 +360,27 @@ def test_sampled_request_switches_the_mtp_loop_to_synchronous(mimo_dir, referenc
     assert [got[str(i)] for i in range(len(reference))] == reference
     assert got["s"] == want
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("force", [None, 2])
+def test_seeded_sampling_overlaps_with_mtp(mimo_dir, force):
+    """Seeded sampled rows stay in the overlapped loop: their RNG counter moves on the device
+    by the accepted drafts. Without forcing, the tokens equal plain decoding's (lossless);
+    forced to accept 2 of 3 drafts, every step moves the counter and the tokens equal the
+    synchronous loop's but for the last few (the overlapped loop drafts less there)."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
+    ps = prompts(4, seed=1)
+    kw = dict(speculative_method="mtp", num_speculative_tokens=3, spec_force_accept=force)
+    ov = make_llm(mimo_dir, **kw)
+    trace = traced(ov)
+    got = run(ov, ps, params)
+    assert trace["from_device"] > 5
+    want = run(make_llm(mimo_dir, async_scheduling=False, **kw), ps, params)
+    if force is None:
+        assert got == want == run(make_llm(mimo_dir), ps, params)
+    else:
+        assert all(g[:-8] == w[:-8] for g, w in zip(got, want))
+        assert got != run(make_llm(mimo_dir), ps, params)  # the drafts' tokens, not plain ones
 
 
 def test_abort_and_stop_while_an_mtp_step_is_in_flight(mimo_dir, reference):

@@ -34,9 +34,10 @@ def _needs_token_values(p: SamplingParams) -> bool:
 
 
 def _needs_output_count(p: SamplingParams) -> bool:
-    """Sampling that reads how many tokens a row has emitted (the per-position RNG counter,
-    the min_tokens stop mask): not knowable on the host while drafts are being verified."""
-    return not p.is_greedy or p.min_tokens > 0
+    """Sampling that reads on the host how many tokens a row has emitted (the min_tokens stop
+    mask): not known there while drafts are being verified. (The RNG counter moves on the
+    device: runner._shifted_keys.)"""
+    return p.min_tokens > 0
 
 
 @dataclass(slots=True)

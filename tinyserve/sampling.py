@@ -212,7 +212,7 @@ class SamplingTensors:
             filters = (1.0, 1.0, 0.0) if greedy else (p.temperature, p.top_p, p.min_p)
             floats.append((*filters, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
             top_k = V if greedy or p.top_k == 0 else min(p.top_k, V)
-            ints.append((top_k, int(greedy), _wrap_int64(row.seed), row.num_output_tokens))
+            ints.append((top_k, int(greedy), wrap_int64(row.seed), row.num_output_tokens))
             has_rep = p.repetition_penalty != 1.0
             if has_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 out_rows += array("q", [r]) * len(row.output_ids)
@@ -271,7 +271,7 @@ class SamplingTensors:
         )
 
 
-def _wrap_int64(x: int) -> int:
+def wrap_int64(x: int) -> int:
     return (x + 2**63) % 2**64 - 2**63
 
 
@@ -293,9 +293,9 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 mul wraps mod 2**64).
-_GOLDEN = _wrap_int64(0x9E3779B97F4A7C15)
-_MUL1 = _wrap_int64(0xBF58476D1CE4E5B9)
-_MUL2 = _wrap_int64(0x94D049BB133111EB)
+_GOLDEN = wrap_int64(0x9E3779B97F4A7C15)
+_MUL1 = wrap_int64(0xBF58476D1CE4E5B9)
+_MUL2 = wrap_int64(0x94D049BB133111EB)
 
 
 def _mix64_(z: Tensor) -> Tensor:
