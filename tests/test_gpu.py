@@ -171,6 +171,25 @@ def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
             torch.cuda.empty_cache()
 
 
+def steps_without_sync(engine, strict: range) -> dict[str, list[int]]:
+    """Step the engine to the end; steps whose index is in `strict` (steady state: after prefill
+    and warm-up, before the ends) run under set_sync_debug_mode('error'), so any implicit
+    device sync raises. Returns each request's tokens."""
+    got: dict[str, list[int]] = {}
+    for n in range(200):
+        if not engine.has_unfinished():
+            break
+        torch.cuda.set_sync_debug_mode("error" if n in strict else "default")
+        try:
+            deltas = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for d in deltas:
+            got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+    assert not engine.has_unfinished()
+    return got
+
+
 @pytest.mark.parametrize("greedy_only", [False, True])
 def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_only):
     """Steady-state overlapped steps run under set_sync_debug_mode('error') (any implicit
@@ -189,19 +208,7 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_on
         engine = llm.engine
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(str(i), p, sp)
-        got: dict[str, list[int]] = {}
-        for n in range(200):
-            if not engine.has_unfinished():
-                break
-            strict = overlap and 3 <= n < 30  # after prefill and warm-up, before the ends
-            torch.cuda.set_sync_debug_mode("error" if strict else "default")
-            try:
-                deltas = engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            for d in deltas:
-                got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
-        assert not engine.has_unfinished()
+        got = steps_without_sync(engine, range(3, 30) if overlap else range(0))
         engine.check_invariants()
         assert engine.runner.graphs.num_replays > 20
         outs.append(got)
@@ -260,19 +267,7 @@ def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force
         engine = llm.engine
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
-        got: dict[str, list[int]] = {}
-        for n in range(200):
-            if not engine.has_unfinished():
-                break
-            strict = overlap and 3 <= n < 10  # after prefill and warm-up, before the ends
-            torch.cuda.set_sync_debug_mode("error" if strict else "default")
-            try:
-                deltas = engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            for d in deltas:
-                got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
-        assert not engine.has_unfinished()
+        got = steps_without_sync(engine, range(3, 10) if overlap else range(0))
         engine.check_invariants()
         assert engine.runner.verify_graphs.num_replays > 8
         outs.append(got)

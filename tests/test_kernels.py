@@ -400,7 +400,9 @@ def test_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "method"), [(1, None), (3, None), (3, "stream"), (16, None)])
+@pytest.mark.parametrize(
+    ("m", "method"), [(1, None), (2, None), (3, None), (3, "stream"), (16, None)]
+)
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_gemv(dtype, m, method, out_dtype):
     """out_dtype float32: the accumulator itself (the LM head's logits), rounded only once."""

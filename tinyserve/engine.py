@@ -36,7 +36,7 @@ def _needs_token_values(p: SamplingParams) -> bool:
 def _needs_output_count(p: SamplingParams) -> bool:
     """Sampling that reads on the host how many tokens a row has emitted (the min_tokens stop
     mask): not known there while drafts are being verified. (The RNG counter moves on the
-    device: runner._shifted_keys.)"""
+    device: runner._step_shift.)"""
     return p.min_tokens > 0
 
 

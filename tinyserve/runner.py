@@ -18,14 +18,7 @@ from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.graphs import host_array
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
-from tinyserve.sampling import (
-    SampleResult,
-    SamplingRow,
-    SamplingTensors,
-    counter_key,
-    sample,
-    wrap_int64,
-)
+from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
 from tinyserve.sequence import PLACEHOLDER
 from tinyserve.spec_decode import accepted_counts
@@ -484,9 +477,10 @@ class ModelRunner:
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
         else:
             self._mask_stop_tokens(logits, rows)
-            st = SamplingTensors.build(rows, logits.shape[-1], self.device)
-            if x is not None and x.shift is not None and not st.all_greedy:
-                st.rng_keys = self._shifted_keys(rows, prev, x.shift)
+            shift = None
+            if x is not None and x.shift is not None:
+                shift = self._step_shift(prev, x.shift, len(rows))
+            st = SamplingTensors.build(rows, logits.shape[-1], self.device, shift)
             result = sample(logits, st)
         sampled = result.token_ids
         if x is not None and x.draft_next is not None:
@@ -537,18 +531,15 @@ class ModelRunner:
         if draft_next is not None:
             draft_next[logit] = torch.where(j < num, prev.drafts[seq, j.clamp(max=k - 1)], -1)
 
-    def _shifted_keys(self, rows: list[SamplingRow], prev: PendingStep,
-                      shift: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
-        """Per-row RNG keys when rows continue an MTP step in flight: a row's counter is its
-        emitted-token count, which that step's accepted drafts raise by as many (on the device),
-        so seeded sampling draws what the synchronous loop draws."""
+    def _step_shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...],
+                    num_rows: int) -> torch.Tensor:  # fmt: skip
+        """(R,) RNG counter steps each logits row still lacks: a row's counter is its emitted
+        count, which the step in flight raises by the drafts it accepts (so seeded sampling
+        draws what the synchronous loop draws)."""
         _, seq, _, _, _, logit = shift
         accepted = prev.accepted if prev.accepted is not None else torch.zeros_like(prev.seg_dev)
-        host = torch.tensor([(wrap_int64(r.seed), r.num_output_tokens) for r in rows],
-                            pin_memory=self.device.type == "cuda")  # fmt: skip
-        seeds, steps = host.to(self.device, non_blocking=True).unbind(1)
-        steps = steps.index_add(0, logit, accepted[seq])  # every shifted logits row, once
-        return counter_key(seeds, steps)
+        steps = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        return steps.index_add_(0, logit, accepted[seq])  # every shifted logits row, once
 
     def _mtp_first_pass(self, md: AttentionMetadata, positions: torch.Tensor,
                         hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip

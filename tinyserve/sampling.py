@@ -197,8 +197,14 @@ class SamplingTensors:
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        step_shift: Tensor | None = None,
     ) -> SamplingTensors:
+        """`step_shift` (B,) int64 on the device: counter steps still to add to the rows' own
+        (the overlapped speculative loop: drafts accepted by the step in flight)."""
         assert rows, "empty batch"
         device = torch.device(device)
         V = vocab_size
@@ -212,7 +218,7 @@ class SamplingTensors:
             filters = (1.0, 1.0, 0.0) if greedy else (p.temperature, p.top_p, p.min_p)
             floats.append((*filters, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
             top_k = V if greedy or p.top_k == 0 else min(p.top_k, V)
-            ints.append((top_k, int(greedy), wrap_int64(row.seed), row.num_output_tokens))
+            ints.append((top_k, int(greedy), _wrap_int64(row.seed), row.num_output_tokens))
             has_rep = p.repetition_penalty != 1.0
             if has_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 out_rows += array("q", [r]) * len(row.output_ids)
@@ -222,10 +228,16 @@ class SamplingTensors:
                 prompt_ids.extend(row.prompt_ids)
         host_f = torch.tensor(floats, dtype=torch.float32).t().contiguous()  # (6, B)
         host_i = torch.tensor(ints, dtype=torch.int64).t().contiguous()  # (4, B)
-        # The per-row key is (B,) work: a few host ops instead of ~25 tiny kernel launches.
-        host_i[2] = counter_key(host_i[2], host_i[3])
-        f, i = _to_device(host_f, device), _to_device(host_i[:3], device)
         B = len(rows)
+        num_greedy = int(host_i[1].sum())
+        if step_shift is None or num_greedy == B:
+            # The per-row key is (B,) work: a few host ops instead of ~25 tiny kernel launches.
+            host_i[2] = counter_key(host_i[2], host_i[3])
+            f, i = _to_device(host_f, device), _to_device(host_i[:3], device)
+            keys = i[2]
+        else:  # counters that only the device knows yet
+            f, i = _to_device(host_f, device), _to_device(host_i, device)
+            keys = counter_key(i[2], i[3] + step_shift)
         any_freq_pres = bool((host_f[3:5] != 0).any())
         any_rep = bool((host_f[5] != 1).any())
         output_counts = prompt_mask = None
@@ -239,7 +251,6 @@ class SamplingTensors:
             prompt_mask = torch.zeros(B * V, dtype=torch.bool, device=device)
             prompt_mask = prompt_mask.index_fill_(0, flat, True).view(B, V)
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
-        num_greedy = int(host_i[1].sum())
         bias = [(r, k, v) for r, row in enumerate(rows) for k, v in
                 (row.params.logit_bias or {}).items()]  # fmt: skip
         if bias:
@@ -257,7 +268,7 @@ class SamplingTensors:
             repetition_penalty=f[5],
             top_k=i[0],
             is_greedy=i[1].bool(),
-            rng_keys=i[2],
+            rng_keys=keys,
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             vocab_size=V,
@@ -271,7 +282,7 @@ class SamplingTensors:
         )
 
 
-def wrap_int64(x: int) -> int:
+def _wrap_int64(x: int) -> int:
     return (x + 2**63) % 2**64 - 2**63
 
 
@@ -293,9 +304,9 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 mul wraps mod 2**64).
-_GOLDEN = wrap_int64(0x9E3779B97F4A7C15)
-_MUL1 = wrap_int64(0xBF58476D1CE4E5B9)
-_MUL2 = wrap_int64(0x94D049BB133111EB)
+_GOLDEN = _wrap_int64(0x9E3779B97F4A7C15)
+_MUL1 = _wrap_int64(0xBF58476D1CE4E5B9)
+_MUL2 = _wrap_int64(0x94D049BB133111EB)
 
 
 def _mix64_(z: Tensor) -> Tensor:
