@@ -147,9 +147,10 @@ def gemv_beats_cublas(m: int, n: int, k: int) -> bool:
     """Where this kernel measured faster than F.linear (H100, bf16, CUDA-graph replays): every
     M = 1 shape (1.02-1.65x at Qwen3-0.6B / Llama-3.1-8B sizes), M = 2..8 for LM-head sized N
     (1.05-1.09x at N = 128k-152k), and M = 2 (a batch-1 verify step with one draft, batch-2
-    decode) for wide W (dot: MiMo-7B gate_up 1.13x, Llama-3.1-8B 1.00-1.06x) and W with N <= K
-    (stream: attention out 1.16-1.48x, down 1.04-1.42x; MiMo-7B down 0.98x). qkv (N > K) and
-    the other wide-ish shapes (Qwen3-0.6B gate_up 6144 x 1024) lose at M = 2."""
+    decode) for wide W (dot: Llama-3.1-8B gate_up 1.00x in `bench.py kernels`, MiMo-7B's 1.13x
+    ad hoc) and W with N <= K (stream: attention out 1.16-1.48x, down 1.04-1.42x in `bench.py
+    kernels`; MiMo-7B down 0.98x ad hoc). qkv (N > K) and the other wide-ish shapes
+    (Qwen3-0.6B gate_up 6144 x 1024) lose at M = 2."""
     return m == 1 or (m <= 8 and n >= 65536) or (m == 2 and (n >= 16384 or n <= k))
 
 
