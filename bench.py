@@ -771,10 +771,11 @@ def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     return batch * new_tokens / (time.perf_counter() - t0)
 
 
-def _run_offline(llm, prompts, out_lens) -> tuple[float, int]:
+def _run_offline(llm, prompts, out_lens, temperature: float = 0.0) -> tuple[float, int]:
     from tinyserve import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate(out_lens)]  # fmt: skip
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -922,10 +923,12 @@ def bench_spec(args) -> dict:
                 # Warm-up: first-use Triton compiles of this batch's eager shapes would land in
                 # the first timed run (they made f = 0 look 2.5 ms a step slower than f = 1).
                 warm = [[rng.randrange(100, vocab - 100) for _ in range(32)] for _ in range(b)]
-                _run_offline(llm, warm, [min(new, 16)] * b)  # other prompts: no prefix hits
-                dt, n_out = _run_offline(llm, prompts, [new] * b)
+                temp = args.temperature
+                _run_offline(llm, warm, [min(new, 16)] * b, temp)  # other prompts: no prefix hits
+                dt, n_out = _run_offline(llm, prompts, [new] * b, temp)
                 steps = -(-new // (f + 1)) if k else new
-                r = {"batch": b, "k": k or 0, "forced_accept": f, "out_tok_per_s": n_out / dt,
+                r = {"batch": b, "k": k or 0, "forced_accept": f, "temperature": temp,
+                     "out_tok_per_s": n_out / dt,
                      "step_ms": dt / steps * 1e3}  # fmt: skip
                 if not k:
                     plain[b] = r
@@ -1118,6 +1121,8 @@ def main() -> None:
         default=["latency", "hf64", "nano-vllm", "decode-heavy", "prefill-heavy"],
         help="e2e: which rows",
     )
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="spec: sampling temperature (0: greedy; seeded)")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs")
     p.add_argument("--only", nargs="+", default=None, help="kernels: rows whose name has a word")
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M)")

@@ -509,6 +509,23 @@ def test_sample_race_equals_sampler_tokens():
     assert torch.equal(ids, sample(logits, tensors).token_ids)
 
 
+@gpu
+def test_sampler_on_gpu_draws_the_cpu_samplers_tokens():
+    """`sample` on CUDA takes the fused race; the CPU takes the torch ops. Same processed
+    logits and keys (filters, greedy rows, seeds): the same tokens."""
+    from tinyserve.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
+
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_k=50, seed=2),
+              SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=3)] * 8  # fmt: skip
+    rows = [SamplingRow(p, seed=i, prompt_ids=[1], output_ids=[2] * i) for i, p in
+            enumerate(params)]  # fmt: skip
+    logits = torch.randn(len(rows), 4099, generator=torch.Generator().manual_seed(0)) * 3
+    got = sample(logits.cuda(), SamplingTensors.build(rows, 4099, "cuda")).token_ids
+    want = sample(logits, SamplingTensors.build(rows, 4099, "cpu")).token_ids
+    assert torch.equal(got.cpu(), want)
+
+
 # --------------------------------------------------------------------------- launchers
 
 

@@ -383,6 +383,22 @@ def apply_min_p(logits: Tensor, t: SamplingTensors) -> Tensor:
     return logits.masked_fill(probs < threshold, -math.inf)
 
 
+def race(x: Tensor, keys: Tensor, is_greedy: Tensor | None) -> Tensor:
+    """Exponential race: with E_v = -log(u_v) ~ Exp(1) iid, argmax_v p_v / E_v is v with
+    probability p_v. In log space log p_v = x_v - logsumexp(x) (a per-row constant), so
+    argmax(x_v - log E_v) is the same draw without a softmax. Masked x = -inf never wins.
+    Rows with is_greedy take argmax(x)."""
+    if x.is_cuda:  # one fused pass; the torch ops below write ~10 (B, V) int64 temporaries
+        from tinyserve.kernels.sampling import sample_race
+
+        return sample_race(x.contiguous(), keys, is_greedy)
+    log_e = counter_uniform(keys, x.shape[-1]).log_().neg_().log_()
+    token_ids = (x - log_e).argmax(dim=-1)
+    if is_greedy is not None:
+        token_ids = torch.where(is_greedy, x.argmax(dim=-1), token_ids)
+    return token_ids
+
+
 def sample(logits: Tensor, t: SamplingTensors) -> SampleResult:
     """One token per row of `logits` (B, V) (any float dtype; computed in float32). No host sync;
     the input is not modified."""
@@ -392,23 +408,17 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleResult:
     if t.bias is not None:  # logit_bias first, then penalties (vLLM's order)
         x = raw.index_put(t.bias[:2], t.bias[2], accumulate=True)
     x = apply_penalties(x, t) if t.output_counts is not None else x
-    greedy_ids = x.argmax(dim=-1) if t.any_greedy else None  # first maximum on ties
     if t.all_greedy:
-        token_ids = greedy_ids
+        token_ids = x.argmax(dim=-1)  # first maximum on ties
     else:
+        # Greedy rows carry neutral filters (temperature 1, no top-k/p, min_p 0), so the
+        # argmax of the processed row is theirs.
         x = x / t.temperature[:, None]
         if t.do_top_k or t.do_top_p:
             x = apply_top_k_top_p(x, t)
         if t.do_min_p:
             x = apply_min_p(x, t)
-        # Exponential race: with E_v = -log(u_v) ~ Exp(1) iid, argmax_v p_v / E_v is v with
-        # probability p_v. In log space log p_v = x_v - logsumexp(x) (a per-row constant), so
-        # argmax(x_v - log E_v) is the same draw without a softmax. Masked x = -inf never wins.
-        log_e = counter_uniform(t.rng_keys, t.vocab_size).log_().neg_().log_()
-        token_ids = (x - log_e).argmax(dim=-1)
-        if greedy_ids is not None:
-            token_ids = torch.where(t.is_greedy, greedy_ids, token_ids)
-    assert token_ids is not None
+        token_ids = race(x, t.rng_keys, t.is_greedy if t.any_greedy else None)
     if t.num_logprobs is None:
         return SampleResult(token_ids, None, None, None)
     # Logprobs of the raw model distribution (vLLM's default), not of the processed one.
