@@ -19,7 +19,8 @@ import torch
 from tinyserve.block_pool import BlockPool
 from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.outputs import CompletionOutput, RequestOutput
-from tinyserve.runner import ModelRunner, PendingStep
+from tinyserve.pending import PendingStep
+from tinyserve.runner import ModelRunner
 from tinyserve.sampling import InvalidParameter, SamplingParams, SamplingRow
 from tinyserve.scheduler import ScheduledBatch, Scheduler
 from tinyserve.sequence import PLACEHOLDER, Sequence, SequenceStatus

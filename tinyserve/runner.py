@@ -9,139 +9,25 @@ pinned host memory. The engine calls it while the next step already runs (the ov
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
-from tinyserve.graphs import host_array
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
+from tinyserve.pending import PendingStep, to_host
 from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
-from tinyserve.sequence import PLACEHOLDER
 from tinyserve.spec_decode import accepted_counts
+from tinyserve.step_inputs import (
+    HostInputs,
+    StepInputs,
+    build_host_inputs,
+    device_inputs,
+    to_device,
+)
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
-
-
-@dataclass(slots=True)
-class RowOutput:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass(slots=True)
-class SeqOutput:
-    """What one sampling sequence got from a step."""
-
-    tokens: list[RowOutput]  # accepted drafts, then the target's own token
-    draft_ids: list[int]  # the MTP head's drafts for the next step ([] without MTP)
-
-
-@dataclass(slots=True)
-class HostInputs:
-    """One step's inputs as host lists, before any copy to the device."""
-
-    input_ids: list[int]  # (T,) 0 where the token is still on the device (`dst`)
-    positions: list[int]  # (T,)
-    slots: list[int]  # (T,) KV cache slot of each token
-    cu_q: list[int]  # (B + 1,) query offsets
-    ctx_lens: list[int]  # (B,) KV length of each row including this step
-    tables: np.ndarray  # (B, W) int32 block tables padded with 0 to one width
-    q_lens: list[int]  # (B,)
-    logits_idx: list[int]  # token index of each logits row (R,)
-    seg_starts: list[int]  # first logits row of each sampling sequence (S,)
-    draft_next: list[int]  # (R,) draft for the position after each row, -1 if none
-    next_ids: list[int]  # (T,) token after each position where known (MTP's input)
-    limits: list[int]  # (S,) KV slots owned by each sampling sequence
-    sample_rows: list[int]  # (S,) batch row of each sampling sequence
-    dst: list[int]  # input positions whose token the previous step sampled ...
-    src: list[int]  # ... and its sampled row there
-    # The overlapped speculative loop: tokens whose value and position come from the step in
-    # flight (the row's last token, then its MTP drafts), one entry per token ...
-    shift_tok: list[int]  # token index in this step
-    shift_seq: list[int]  # the in-flight step's sampling sequence it follows
-    shift_j: list[int]  # 0 for the row's last token, j for its j-th draft
-    shift_row: list[int]  # batch row
-    shift_num: list[int]  # drafts the row carries
-    shift_logit: list[int]  # its logits row
-
-    @property
-    def spec(self) -> bool:
-        return len(self.draft_next) > len(self.seg_starts)  # some row carries drafts
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Device inputs of one step (the eager forward, and the speculative / MTP bookkeeping)."""
-
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    metadata: AttentionMetadata
-    idx: torch.Tensor  # (R,) logits_idx
-    next_ids: torch.Tensor | None  # (T,) MTP only
-    draft_next: torch.Tensor | None  # (R,) speculative steps only
-    seg_starts: torch.Tensor | None  # (S,) speculative or MTP steps
-    seg_ids: torch.Tensor | None  # (R,) sampling sequence of each logits row; speculative
-    kv_limits: torch.Tensor | None  # (S,) MTP only
-    max_kv_limit: int
-    sample_rows: torch.Tensor | None  # (S,) MTP only
-    pending: tuple[torch.Tensor, torch.Tensor] | None  # (dst, src)
-    shift: tuple[torch.Tensor, ...] | None  # HostInputs.shift_* on the device
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if t.device.type == "cpu":  # a copy still: `t` may be a view the next step overwrites
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
-
-
-class PendingStep:
-    """A launched step: its sampled ids on the device (the next step's inputs) and pinned host
-    copies of its results, readable once `event` has passed."""
-
-    def __init__(self, seg_starts: list[int], rows: list[SamplingRow],
-                 sampled: torch.Tensor | None = None) -> None:  # fmt: skip
-        self.seg_starts, self.rows, self.sampled = seg_starts, rows, sampled
-        # MTP steps, for the next step's inputs: (S,) first logits row and accepted drafts of
-        # each sampling sequence (None: none accepted), (S, k) its drafts; all on the device.
-        self.seg_dev: torch.Tensor | None = None
-        self.accepted: torch.Tensor | None = None
-        self.drafts: torch.Tensor | None = None
-        self.host: list[torch.Tensor | None] = []
-        self.event: torch.cuda.Event | None = None
-
-    def result(self) -> list[SeqOutput]:
-        """Per sampling sequence: its accepted drafts and token, and the MTP drafts."""
-        if not self.seg_starts:
-            return []
-        if self.event is not None:
-            # NOTE: the one host sync of a step, in the engine's worker thread (never the loop).
-            self.event.synchronize()
-        tokens, accepted, drafts, logprobs, top_ids, top_lps = (
-            t.tolist() if t is not None else None for t in self.host
-        )
-        num = len(self.seg_starts)
-        accepted = accepted or [0] * num
-        drafts = drafts or [[]] * num
-        outs = []
-        for first, n, drafted in zip(self.seg_starts, accepted, drafts):
-            row_outs = []
-            for r in range(first, first + n + 1):
-                out = RowOutput(tokens[r])
-                k = self.rows[r].params.logprobs
-                if k is not None and logprobs is not None:
-                    out.logprob = logprobs[r]
-                    out.top_logprobs = list(zip(top_ids[r][:k], top_lps[r][:k])) if top_ids else []
-                row_outs.append(out)
-            outs.append(SeqOutput(row_outs, drafted))
-        return outs
 
 
 def _plain_greedy(rows: list[SamplingRow]) -> bool:
@@ -156,10 +42,6 @@ def _plain_greedy(rows: list[SamplingRow]) -> bool:
         if row.num_output_tokens < p.min_tokens:
             return False
     return True
-
-
-def _lengths(starts: list[int], total: int) -> list[int]:
-    return [b - a for a, b in zip(starts, starts[1:] + [total])]
 
 
 class ModelRunner:
@@ -263,110 +145,9 @@ class ModelRunner:
             )
         return int(budget // self.kv_bytes_per_block)
 
-    def _prepare(self, batch: ScheduledBatch) -> HostInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        next_ids: list[int] = []  # the token after each position where known (MTP's input)
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q = [0]
-        ctx_lens: list[int] = []
-        logits_idx: list[int] = []
-        draft_next: list[int] = []  # per logits row: the draft for the position after it, or -1
-        seg_starts: list[int] = []  # per sampled sequence: its first logits row
-        dst: list[int] = []  # batch positions whose token is a placeholder ...
-        src: list[int] = []  # ... and the previous step's sampled row holding it
-        limits: list[int] = []  # per sampled sequence: KV slots it owns
-        sample_rows: list[int] = []  # per sampled sequence: its batch row
-        shift: tuple[list[int], ...] = ([], [], [], [], [], [])  # HostInputs.shift_*
-        for row, (seq, num) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_kv_computed, seq.num_kv_computed + num
-            drafts = seq.draft_ids
-            if num == 1 and not drafts and self.mtp is None and end == seq.num_tokens:
-                # The common decode row, without the general path's slicing (host time per
-                # step grows with the batch: this loop runs for every running sequence).
-                tok = seq.token_ids[start]
-                if tok == PLACEHOLDER:
-                    dst.append(len(input_ids))
-                    src.append(seq.pending_row)
-                    tok = 0
-                input_ids.append(tok)
-                positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
-                cu_q.append(cu_q[-1] + 1)
-                ctx_lens.append(end)
-                seg_starts.append(len(logits_idx))
-                logits_idx.append(cu_q[-1] - 1)
-                draft_next.append(-1)
-                limits.append(seq.kv_token_limit)
-                sample_rows.append(row)
-                continue
-            tokens = seq.token_ids + drafts if drafts else seq.token_ids
-            chunk = tokens[start:end]
-            if self.mtp is not None and chunk[0] == PLACEHOLDER:
-                # The overlapped speculative loop: the last token and the drafts are the step
-                # in flight's, and so is how far they move (`_shift`, on the device).
-                assert end == seq.num_tokens + len(drafts), "a pending token in a prefill"
-                first, logit = len(input_ids), len(logits_idx)
-                for j in range(num):
-                    entry = (first + j, seq.pending_row, j, row, len(drafts), logit + j)
-                    for lst, v in zip(shift, entry):
-                        lst.append(v)
-                chunk = [0] * num
-            elif seq.pending_row is not None and PLACEHOLDER in chunk:
-                j = chunk.index(PLACEHOLDER)
-                dst.append(len(input_ids) + j)
-                src.append(seq.pending_row)
-                chunk = chunk[:j] + [0] + chunk[j + 1 :]
-            input_ids += chunk
-            if self.mtp is not None:
-                following = chunk[1:] + tokens[end : end + 1]
-                next_ids += following + [0] * (num - len(following))  # sampled ones: on device
-            positions += range(start, end)
-            table = seq.block_table
-            if num <= 16:
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            else:  # long chunks in numpy: a Python loop per token would hold the GIL for ms
-                pos = np.arange(start, end)
-                blocks = np.asarray(table[start // bs : (end - 1) // bs + 1])
-                slots += (blocks[pos // bs - start // bs] * bs + pos % bs).tolist()
-            cu_q.append(cu_q[-1] + num)
-            ctx_lens.append(end)
-            if end >= seq.num_tokens:  # samples: the last known token, then each draft
-                limits.append(seq.kv_token_limit)
-                sample_rows.append(row)
-                seg_starts.append(len(logits_idx))
-                n = end - seq.num_tokens + 1
-                logits_idx += range(cu_q[-1] - n, cu_q[-1])
-                draft_next += drafts[: n - 1] + [-1]
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)  # one array, no nested lists
-        for i, seq in enumerate(batch.seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        return HostInputs(input_ids, positions, slots, cu_q, ctx_lens, tables,
-                          list(batch.num_new_tokens), logits_idx, seg_starts, draft_next,
-                          next_ids, limits, sample_rows, dst, src, *shift)  # fmt: skip
-
-    def _tensor(self, x: list | np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        pin = self.device.type == "cuda"  # pinned, so the copy is async
-        if isinstance(x, np.ndarray):
-            host = host_array(x, dtype, pin)
-        else:
-            host = torch.tensor(x, dtype=dtype, pin_memory=pin)
-        return host.to(self.device, non_blocking=True)
-
     def _device_inputs(self, h: HostInputs) -> StepInputs:
-        t = self._tensor
-        md = AttentionMetadata(
-            slot_mapping=t(h.slots),
-            block_tables=t(h.tables, torch.int32),
-            cu_seqlens_q=t(h.cu_q, torch.int32),
-            context_lens=t(h.ctx_lens, torch.int32),
-            query_lens_cpu=h.q_lens,
-            context_lens_cpu=h.ctx_lens,
-            max_context_len=max(h.ctx_lens),
-            is_decode_only=all(n == 1 for n in h.q_lens),
-        )
+        x = device_inputs(h, self.device, self.mtp is not None)
+        md = x.metadata
         if md.is_decode_only and self.device.type == "cuda":
             from tinyserve.graphs import decode_num_splits
 
@@ -375,25 +156,7 @@ class ModelRunner:
                 len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
                 self.max_blocks_per_seq * self.block_size, self.device,
             )  # fmt: skip
-        spec, mtp = h.spec, self.mtp is not None
-        lengths = _lengths(h.seg_starts, len(h.logits_idx))
-        seg_ids = [s for s, n in enumerate(lengths) for _ in range(n)] if spec else []
-        return StepInputs(
-            input_ids=t(h.input_ids),
-            positions=t(h.positions),
-            metadata=md,
-            idx=t(h.logits_idx),
-            next_ids=t(h.next_ids) if mtp else None,
-            draft_next=t(h.draft_next) if spec else None,
-            seg_starts=t(h.seg_starts) if spec or mtp else None,
-            seg_ids=t(seg_ids) if spec else None,
-            kv_limits=t(h.limits) if mtp else None,
-            max_kv_limit=max(h.limits, default=0),
-            sample_rows=t(h.sample_rows) if mtp else None,
-            pending=(t(h.dst), t(h.src)) if h.dst else None,
-            shift=tuple(t(a) for a in (h.shift_tok, h.shift_seq, h.shift_j, h.shift_row,
-                                       h.shift_num, h.shift_logit)) if h.shift_tok else None,
-        )  # fmt: skip
+        return x
 
     def _graphs_for(self, h: HostInputs):
         """The graph set that runs this step, or None (eager): decode-only batches, and verify
@@ -426,7 +189,7 @@ class ModelRunner:
         launched before the previous one finished. A graph step gathers them from
         `graphs.last_sampled`, which therefore receives every step's sampled ids.
         """
-        h = self._prepare(batch)
+        h = build_host_inputs(batch, self.block_size, self.mtp is not None)
         graphs = self._graphs_for(h)
         # Plain graph steps copy nothing else to the device: the graph reads its own buffer.
         x = self._device_inputs(h) if graphs is None or h.spec or self.mtp is not None else None
@@ -466,7 +229,7 @@ class ModelRunner:
         if graph_rows:
             logits = all_logits
         else:
-            idx = x.idx if x is not None else self._tensor(h.logits_idx)
+            idx = x.idx if x is not None else to_device(h.logits_idx, self.device)
             if all_logits is not None:
                 logits = all_logits[idx]
             else:
@@ -503,7 +266,7 @@ class ModelRunner:
         if self.mtp is not None:  # the next step may start from these on the device
             step.seg_dev, step.accepted, step.drafts = x.seg_starts, accepted, drafts
         # Device -> pinned host copies, then an event: `result()` waits on that event only.
-        step.host = [_to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
+        step.host = [to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
                                            result.top_ids, result.top_logprobs)]  # fmt: skip
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
