@@ -116,20 +116,20 @@ def test_shared_prefix_graphs_match_eager(tmp_path):
 def test_mixed_batches_with_shared_prefixes_match_transformers(tmp_path, monkeypatch):
     """64-token budgets interleave prompt chunks (some after prefix-cache hits) with decode
     rows in one forward, then decode steps share prefixes: greedy = transformers."""
-    from tinyserve.runner import ModelRunner
+    import tinyserve.runner as runner_module
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=4, max_position_embeddings=4096)
     llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=16,
               max_num_batched_tokens=64, enable_prefix_caching=True)  # fmt: skip
     mixed = []
-    prepare = ModelRunner._prepare
+    prepare = runner_module.build_host_inputs
 
-    def spy(self, batch):
-        h = prepare(self, batch)
+    def spy(*args):
+        h = prepare(*args)
         mixed.append(1 in h.q_lens and max(h.q_lens) > 1)
         return h
 
-    monkeypatch.setattr(ModelRunner, "_prepare", spy)
+    monkeypatch.setattr(runner_module, "build_host_inputs", spy)
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = to_hf(llm, path, torch.float32)
     head = [(7 * j) % 4000 + 50 for j in range(200)]
