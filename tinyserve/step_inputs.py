@@ -157,11 +157,14 @@ def to_device(
     x: list | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long
 ) -> torch.Tensor:
     pin = device.type == "cuda"  # pinned, so the copy is async
-    if isinstance(x, np.ndarray):
-        host = host_array(x, dtype, pin)
-    else:
-        host = torch.tensor(x, dtype=dtype, pin_memory=pin)
-    return host.to(device, non_blocking=True)
+    if not isinstance(x, np.ndarray):
+        # Through numpy: 5x faster than torch.tensor(list) (8k ids: 87 vs 463 us, this CPU),
+        # and a mixed step copies several such lists while the GPU waits on the host.
+        x = np.array(x, dtype=_NUMPY[dtype])
+    return host_array(x, dtype, pin).to(device, non_blocking=True)
+
+
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32}
 
 
 def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
