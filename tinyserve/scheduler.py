@@ -166,14 +166,18 @@ class Scheduler:
         end = matched + self.pool.block_size
         if end >= seq.num_tokens:
             return False  # the last token is never matched anyway
-        head = seq.token_ids[:end]
         bs = self.pool.block_size
+        tokens, tail = seq.token_ids, seq.token_ids[end - bs : end]
+        # The block itself first: leaders of other prefixes differ there, and comparing whole
+        # prefixes (thousands of ids) per leader per waiting prompt cost ms a step (H100 host,
+        # 512 prompts in 16 groups).
         return any(
             (other.num_uncomputed > 1 or other.num_kv_computed >= end)
             and other.num_committed_blocks * bs < end <= other.num_tokens
+            and other.token_ids[end - bs : end] == tail
             and other.cache_salt == seq.cache_salt
             and other.mm_spans == seq.mm_spans
-            and other.token_ids[:end] == head
+            and other.token_ids[:end] == tokens[:end]
             for other in self._leaders
         )
 
