@@ -1,0 +1,42 @@
+"""bench.py on the CPU: the workloads that run here write the JSON they promise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(tmp_path, *args: str) -> dict:
+    subprocess.run([sys.executable, "bench.py", *args, "--out", str(tmp_path)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    (name,) = os.listdir(tmp_path)
+    with open(tmp_path / name) as f:
+        return json.load(f)
+
+
+def test_pool_counts_host_cost_with_and_without_the_cache(tmp_path):
+    res = run_bench(tmp_path, "pool")
+    assert res["workload"] == "pool"
+    on, off = res["rows"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
+    assert on["us_per_block"] > 0 and off["us_per_block"] > 0
+
+
+def test_spec_ngram_on_the_default_model_is_lossless(tmp_path):
+    """Edit-style prompts on real SmolLM2 weights: n-gram speculation gives plain decode's
+    tokens and reports its acceptance."""
+    res = run_bench(tmp_path, "spec", "--new-tokens", "12", "--spec-k", "2")
+    plain, ngram = res["rows"]
+    assert (plain["method"], ngram["method"], ngram["k"]) == ("off", "ngram", 2)
+    assert plain["identical_to_plain"] and ngram["identical_to_plain"]
+    assert 0 <= ngram["acceptance"] <= 1 and ngram["out_tok_per_s"] > 0
+
+
+def test_unknown_workload_is_refused():
+    out = subprocess.run([sys.executable, "bench.py", "nope"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "invalid choice" in out.stderr
