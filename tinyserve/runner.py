@@ -196,17 +196,21 @@ class ModelRunner:
         fix = None
         if x is not None and x.shift is not None:  # tokens of the MTP step in flight
 
-            def fix(ids, positions, slots, ctx, tables, draft_next=None):
-                self._shift(prev, x.shift, ids, positions, slots, ctx, tables, draft_next)
+            def fix(ids, positions, slots, ctx, tables):
+                self._shift(prev, x.shift, ids, positions, slots, ctx, tables)
 
-            md = x.metadata
-            fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables,
-                x.draft_next)  # fmt: skip
-            if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync here)
-                md.context_lens_cpu = md.context_lens.tolist()
-                md.max_context_len = max(md.context_lens_cpu)
-            else:
-                md.max_context_len += self.config.num_speculative_tokens
+            if x.draft_next is not None:
+                self._shift_drafts(prev, x.shift, x.draft_next)
+            # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
+            # otherwise the eager forward or the eager MTP drafting reads these.
+            if graphs is None or graphs is not self.verify_graphs:
+                md = x.metadata
+                fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables)
+                if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync)
+                    md.context_lens_cpu = md.context_lens.tolist()
+                    md.max_context_len = max(md.context_lens_cpu)
+                else:
+                    md.max_context_len += self.config.num_speculative_tokens
         if graphs is not None:
             hidden, all_logits = graphs.run(h.input_ids, h.positions, h.slots, h.ctx_lens,
                                             h.tables, (h.dst, h.src), fix)  # fmt: skip
@@ -275,15 +279,14 @@ class ModelRunner:
 
     def _shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...], ids: torch.Tensor,
                positions: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
-               tables: torch.Tensor, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+               tables: torch.Tensor) -> None:  # fmt: skip
         """Complete, in place and on the device, the rows that continue an MTP step still in
         flight: their last token is its emitted one (the target's token after the accepted
         drafts), their drafts are its MTP drafts, and every position, slot and context length
         moves up by the drafts it accepted (the host built them as if it accepted none)."""
-        tok, seq, j, row, num, logit = shift
+        tok, seq, j, row, _, _ = shift
         accepted = prev.accepted if prev.accepted is not None else torch.zeros_like(prev.seg_dev)
         a = accepted[seq]
-        k = prev.drafts.shape[1]
         last = prev.sampled[prev.seg_dev[seq] + a]
         ids[tok] = torch.where(j == 0, last, prev.drafts[seq, (j - 1).clamp(min=0)])
         pos = positions[tok] + a
@@ -291,8 +294,13 @@ class ModelRunner:
         bs = self.block_size
         slots[tok] = tables[row, pos // bs].long() * bs + pos % bs
         ctx[row] = ctx[row] + a.to(ctx.dtype)  # every token of a row writes the same value
-        if draft_next is not None:
-            draft_next[logit] = torch.where(j < num, prev.drafts[seq, j.clamp(max=k - 1)], -1)
+
+    def _shift_drafts(self, prev: PendingStep, shift: tuple[torch.Tensor, ...],
+                      draft_next: torch.Tensor) -> None:  # fmt: skip
+        """The draft each continuing logits row verifies: the step in flight's MTP drafts."""
+        _, seq, j, _, num, logit = shift
+        k = prev.drafts.shape[1]
+        draft_next[logit] = torch.where(j < num, prev.drafts[seq, j.clamp(max=k - 1)], -1)
 
     def _step_shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...],
                     num_rows: int) -> torch.Tensor:  # fmt: skip
