@@ -305,35 +305,3 @@ def test_cached_blocks_add_nothing_for_the_cyclic_gc():
     gc.collect()
     gc.collect()  # a tuple is untracked once the tuples inside it are
     assert len(gc.get_objects()) - before < 50  # not one (or three) per cached block
-
-
-def test_a_rematch_resumes_its_last_chain_unless_blocks_were_evicted():
-    """A deferred prompt is matched again each step, resuming after its last chain: the result
-    equals a fresh match as the cache grows, and after an eviction (block ids reused for other
-    tokens) the old chain is not trusted."""
-    pool = BlockPool(6, 4)
-    head = list(range(100, 116))  # 4 blocks
-
-    def compute(tokens):  # a sequence computes and commits its prompt, then finishes
-        seq = make_seq(tokens)
-        pool.match_prefix(seq)
-        pool.may_append(seq, seq.num_tokens - seq.num_kv_computed)
-        seq.num_kv_computed = seq.num_tokens
-        pool.commit(seq)
-        pool.free_seq(seq)
-
-    def rematch(seq):
-        matched = pool.match_prefix(seq)
-        pool.free_seq(seq)
-        seq.num_kv_computed = 0
-        return matched
-
-    compute(head[:8] + [7])
-    waiting = make_seq(head + [9])
-    assert rematch(waiting) == 8
-    compute(head + [7])  # the other two blocks of the head are cached now
-    assert rematch(waiting) == 16 == rematch(make_seq(head + [9]))
-    compute(list(range(500, 524)))  # needs all 6 blocks: evicts the head, reuses its ids
-    assert pool.trie.num_evictions > 0
-    assert rematch(waiting) == 0
-    pool.check_invariants()

@@ -117,13 +117,7 @@ class BlockPool:
             return 0
         bs = self.block_size
         tokens = seq.token_ids[: seq.num_tokens - 1]
-        # A prompt deferred while its leader computes the shared prefix is matched again every
-        # step: resume from its last match unless something was evicted since (the walk
-        # hashes every block of a ~2k-token prefix; H100 host profile of 512 prompts).
-        evictions, start = seq.match_hint or (-1, [])
-        start = start if evictions == self.trie.num_evictions else []
-        path = self.trie.match(tokens, lambda i: self.block_extra(seq, i), start)
-        seq.match_hint = (self.trie.num_evictions, path)
+        path = self.trie.match(tokens, lambda i: self.block_extra(seq, i))
         num = len(path)
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1

@@ -37,7 +37,6 @@ class PrefixTrie:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
-        self.num_evictions = 0  # block ids are reused only after an eviction
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.nodes
@@ -54,15 +53,11 @@ class PrefixTrie:
                 return child
         return None
 
-    def match(self, token_ids: list[int], extra_of: Callable[[int], tuple],
-              start: list[int] = ()) -> list[int]:  # fmt: skip
+    def match(self, token_ids: list[int], extra_of: Callable[[int], tuple]) -> list[int]:
         """Block ids of the longest chain of cached full blocks that prefixes `token_ids`;
-        `extra_of(i)` is block i's extra key (asked only up to the first miss). `start`: a chain
-        this trie returned for the same tokens with no eviction since (`num_evictions`): its
-        blocks are still cached with the same keys, so the walk resumes after them."""
-        bs, path = self.block_size, list(start)
-        node = path[-1] if path else ROOT
-        for i in range(len(path), len(token_ids) // bs):
+        `extra_of(i)` is block i's extra key (asked only up to the first miss)."""
+        bs, node, path = self.block_size, ROOT, []
+        for i in range(len(token_ids) // bs):
             key, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_of(i)
             child = self._find(node, hash_key(key, extra), key, extra)
             if child is None:
@@ -109,7 +104,6 @@ class PrefixTrie:
         """Drop the least recently used unreferenced leaf; return its block id."""
         block_id = next(b for b in self.evictable if not self.num_children.get(b))
         del self.evictable[block_id]
-        self.num_evictions += 1
         parent, key_hash, _, _ = self.nodes.pop(block_id)
         slot = (parent, key_hash)
         siblings = self.children[slot]

@@ -41,7 +41,6 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix trie at first admission
     num_committed_blocks: int = 0  # leading blocks already inserted into the prefix trie
     trie_node: int | None = None  # last committed block in the prefix trie (insert cursor)
-    match_hint: tuple[int, list[int]] | None = None  # (trie evictions, chain) of its last match
     cache_salt: str | None = None  # isolates tenants: part of the first block's key
     mm_spans: tuple[tuple[int, int, str], ...] = ()  # (start, end, content hash) of media
     # Speculative decoding: drafts proposed for the positions after the last token (scheduled
