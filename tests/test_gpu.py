@@ -190,6 +190,26 @@ def steps_without_sync(engine, strict: range) -> dict[str, list[int]]:
     return got
 
 
+def overlapped_and_synchronous(path, requests: dict, strict: range, graphs_ran, **kw) -> list:
+    """Each request's tokens ({i: (prompt, params)}) from the overlapped loop, whose steps in
+    `strict` run under set_sync_debug_mode('error'), then from the synchronous loop; every
+    engine's invariants hold and `graphs_ran(engine)` is true."""
+    outs = []
+    for overlap in (True, False):
+        llm = LLM(path, load_format="dummy", seed=0, num_kv_blocks=2048,
+                  async_scheduling=overlap, **kw)  # fmt: skip
+        engine = llm.engine
+        for i, (p, sp) in requests.items():
+            engine.add_request(str(i), p, sp)
+        outs.append(steps_without_sync(engine, strict if overlap else range(0)))
+        engine.check_invariants()
+        assert graphs_ran(engine)
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return outs
+
+
 @pytest.mark.parametrize("greedy_only", [False, True])
 def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_only):
     """Steady-state overlapped steps run under set_sync_debug_mode('error') (any implicit
@@ -201,20 +221,10 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_on
                              max_tokens=40, ignore_eos=True,
                              logprobs=1 if i == 3 and not greedy_only else None)
               for i in range(8)]  # fmt: skip
-    outs = []
-    for overlap in (True, False):
-        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, async_scheduling=overlap,
-                  num_kv_blocks=2048)  # fmt: skip
-        engine = llm.engine
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add_request(str(i), p, sp)
-        got = steps_without_sync(engine, range(3, 30) if overlap else range(0))
-        engine.check_invariants()
-        assert engine.runner.graphs.num_replays > 20
-        outs.append(got)
-        del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+    outs = overlapped_and_synchronous(
+        path, dict(enumerate(zip(prompts, params))), range(3, 30),
+        lambda engine: engine.runner.graphs.num_replays > 20, max_num_seqs=16,
+    )  # fmt: skip
     assert outs[0] == outs[1]
 
 
@@ -259,21 +269,12 @@ def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force
                      max_position_embeddings=4096)  # fmt: skip
     prompts = [[(13 * i + 5 * j) % 900 + 100 for j in range(12 + 5 * i)] for i in range(6)]
     params = SamplingParams(temperature=temperature, seed=7, max_tokens=60, ignore_eos=True)
-    outs = []
-    for overlap in (True, False):
-        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=8,
-                  num_kv_blocks=2048, speculative_method="mtp", num_speculative_tokens=3,
-                  spec_force_accept=force, async_scheduling=overlap)  # fmt: skip
-        engine = llm.engine
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        got = steps_without_sync(engine, range(3, 10) if overlap else range(0))
-        engine.check_invariants()
-        assert engine.runner.verify_graphs.num_replays > 8
-        outs.append(got)
-        del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+    outs = overlapped_and_synchronous(
+        path, {i: (p, params) for i, p in enumerate(prompts)}, range(3, 10),
+        lambda engine: engine.runner.verify_graphs.num_replays > 8, dtype="float32",
+        max_num_seqs=8, speculative_method="mtp", num_speculative_tokens=3,
+        spec_force_accept=force,
+    )  # fmt: skip
     if force is None:
         assert outs[0] == outs[1]
     else:  # the overlapped loop drafts less in the last steps (a step in flight may accept)

@@ -49,6 +49,10 @@ class PendingStep:
         self.host: list[torch.Tensor | None] = []
         self.event: torch.cuda.Event | None = None
 
+    def num_accepted(self) -> torch.Tensor:
+        """(S,) drafts each sampling sequence accepted, on the device (zeros: no drafts)."""
+        return self.accepted if self.accepted is not None else torch.zeros_like(self.seg_dev)
+
     def result(self) -> list[SeqOutput]:
         """Per sampling sequence: its accepted drafts and token, and the MTP drafts."""
         if not self.seg_starts:

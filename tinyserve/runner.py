@@ -285,8 +285,7 @@ class ModelRunner:
         drafts), their drafts are its MTP drafts, and every position, slot and context length
         moves up by the drafts it accepted (the host built them as if it accepted none)."""
         tok, seq, j, row, _, _ = shift
-        accepted = prev.accepted if prev.accepted is not None else torch.zeros_like(prev.seg_dev)
-        a = accepted[seq]
+        a = prev.num_accepted()[seq]
         last = prev.sampled[prev.seg_dev[seq] + a]
         ids[tok] = torch.where(j == 0, last, prev.drafts[seq, (j - 1).clamp(min=0)])
         pos = positions[tok] + a
@@ -308,9 +307,8 @@ class ModelRunner:
         count, which the step in flight raises by the drafts it accepts (so seeded sampling
         draws what the synchronous loop draws)."""
         _, seq, _, _, _, logit = shift
-        accepted = prev.accepted if prev.accepted is not None else torch.zeros_like(prev.seg_dev)
         steps = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-        return steps.index_add_(0, logit, accepted[seq])  # every shifted logits row, once
+        return steps.index_add_(0, logit, prev.num_accepted()[seq])  # each shifted row, once
 
     def _mtp_first_pass(self, md: AttentionMetadata, positions: torch.Tensor,
                         hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
