@@ -510,10 +510,15 @@ def test_sample_race_equals_sampler_tokens():
 
 
 @gpu
-def test_sampler_on_gpu_draws_the_cpu_samplers_tokens():
+def test_sampler_on_gpu_draws_the_cpu_samplers_tokens(monkeypatch):
     """`sample` on CUDA takes the fused race; the CPU takes the torch ops. Same processed
     logits and keys (filters, greedy rows, seeds): the same tokens."""
+    from tinyserve.kernels import sampling as kernel
+
     from tinyserve.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
+
+    calls, fused = [], kernel.sample_race
+    monkeypatch.setattr(kernel, "sample_race", lambda *a, **k: calls.append(1) or fused(*a, **k))
 
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.2, top_k=50, seed=2),
@@ -522,8 +527,9 @@ def test_sampler_on_gpu_draws_the_cpu_samplers_tokens():
             enumerate(params)]  # fmt: skip
     logits = torch.randn(len(rows), 4099, generator=torch.Generator().manual_seed(0)) * 3
     got = sample(logits.cuda(), SamplingTensors.build(rows, 4099, "cuda")).token_ids
+    assert calls == [1], "sampled rows on CUDA take the fused kernel"
     want = sample(logits, SamplingTensors.build(rows, 4099, "cpu")).token_ids
-    assert torch.equal(got.cpu(), want)
+    assert calls == [1] and torch.equal(got.cpu(), want)
 
 
 # --------------------------------------------------------------------------- launchers
