@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,16 +79,33 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
 
 
 def test_cuda_graphs_on_off_identical(tmp_path):
+    """Batch 12, then one sequence whose context grows from 50 to 300 keys: its decode steps
+    move through graphs of 1, 2, 4 and 8 splits (decode_num_splits), as the eager steps do."""
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=4096)
     prompts = [[(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
     outs = []
     for eager in (False, True):
         llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, enforce_eager=eager)
-        assert (llm.engine.runner.graphs is None) == eager
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                    use_tqdm=False)])  # fmt: skip
-        del llm
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        splits = set()
+        if graphs is not None:  # which split counts the replays took
+            for key, graph in list(graphs.graphs.items()):
+                graphs.graphs[key] = SimpleNamespace(
+                    replay=lambda key=key, graph=graph, used=splits: (
+                        used.add(key[2]),
+                        graph.replay(),
+                    )
+                )
+        runs = [
+            llm.generate(prompts, params, use_tqdm=False),
+            llm.generate([prompts[3] * 2], long, use_tqdm=False),
+        ]  # 50 + 250 tokens
+        outs.append([o.outputs[0].token_ids for run in runs for o in run])
+        assert eager or {1, 2, 4, 8} <= splits, splits
+        del llm, graphs
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
 

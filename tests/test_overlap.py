@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.sequence import PLACEHOLDER
@@ -218,6 +219,28 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
     untileable = DecodeGraphs(r.model, 16, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size,
                               capture=False, shared_prefix=True)  # fmt: skip
     assert untileable.shared_sizes == []
+
+
+def test_decode_split_count_follows_the_longest_context(monkeypatch):
+    """A decode step's split count: the padded batch's GPU-filling count, cut to a power of two
+    of ~KEYS_PER_SPLIT keys per split for its longest context (short contexts skip the merge
+    pass); batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head model."""
+    from tinyserve.kernels import decode_attention
+
+    from tinyserve.graphs import KEYS_PER_SPLIT, decode_num_splits
+
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+
+    def splits(batch, ctx):
+        return decode_num_splits(batch, 256, 8, 40960, cuda, ctx)
+
+    assert splits(1, None) == 32
+    assert [splits(1, c) for c in (1, KEYS_PER_SPLIT, KEYS_PER_SPLIT + 1, 3 * KEYS_PER_SPLIT,
+                                   4 * KEYS_PER_SPLIT, 40960)] == [1, 1, 2, 4, 4, 32]  # fmt: skip
+    assert splits(3, 4 * KEYS_PER_SPLIT) == splits(4, 4 * KEYS_PER_SPLIT) == 4  # padded size
+    assert splits(64, 40960) == splits(64, None) == 1
+    assert decode_num_splits(1, 256, 8, 40960, torch.device("cpu"), 4096) == 1
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])

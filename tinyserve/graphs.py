@@ -34,14 +34,28 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
     return next((s for s in graph_batch_sizes(max_num_seqs) if s >= num_seqs), num_seqs)
 
 
+# Keys per decode split below which more splits lose: the kernel cuts splits into whole 64-key
+# tiles, so a second split of one tile's keys only adds its fixed costs (a program, a partial
+# result, its share of the merge pass). H100 batch-1 latency (256 tokens from 32): qwen3-0.6b
+# 1,142 tok/s at 64, 1,107 at 128, 1,053 with the fixed 32 splits.
+KEYS_PER_SPLIT = 64
+
+
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
-                      device: torch.device) -> int:  # fmt: skip
-    """Split count of a decode step, a function of the padded batch size only."""
+                      device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
+    """Split count of a decode step: the count that fills the GPU at the padded batch size,
+    cut to the power of two that gives the step's longest context about KEYS_PER_SPLIT keys per
+    split (H100, qwen3-0.6b batch-1 graph at 288 keys: 0.88 ms with 8 splits, 0.95 ms with
+    32; at 48 keys one split, which needs no merge pass, 0.82 against 0.93 ms). A function of
+    the padded size and the longest context, so eager and graph steps sum in the same order."""
     if device.type != "cuda":
         return 1
     from tinyserve.kernels.decode_attention import default_num_splits
 
-    return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
+    full = default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
+    if max_context_len is None:
+        return full
+    return min(full, 1 << max(0, -(-max_context_len // KEYS_PER_SPLIT) - 1).bit_length())
 
 
 SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
@@ -161,23 +175,39 @@ class DecodeGraphs:
             self.shared_buffer = torch.zeros(n + n // 2 * (1 + self.shared_rows),
                                              dtype=torch.int32, device=dev)  # fmt: skip
             self.shared_buffer[n:] = -1
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # Keys (bs, shared, splits): decode graphs come in every split count a step of bs rows
+        # may pick (`decode_num_splits`, short contexts take fewer), cascade graphs in the full
+        # one; other graphs have splits None.
+        self.graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
         self.num_replays = self.num_shared_replays = 0
-        # (bs, shared) -> (hidden, logits) and what the captured graph reads
-        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.metadata: dict[tuple[int, bool], AttentionMetadata] = {}
+        # key -> (hidden, logits) and what the captured graph reads
+        self.outputs: dict[tuple[int, bool, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.metadata: dict[tuple[int, bool, int | None], AttentionMetadata] = {}
         if not capture:
             return
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            for shared in (False, True)[: 1 + (bs in self.shared_sizes)]:
-                self._run(bs, shared=shared)  # warm-up: Triton compiles outside the capture
+            for key in self._keys(bs):
+                self._run(*key)  # warm-up: Triton compiles outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs, shared] = self._run(bs, shared=shared)
+                    self.outputs[key] = self._run(*key)
                 pool = graph.pool()
-                self.graphs[bs, shared] = graph
+                self.graphs[key] = graph
         self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
+
+    def _num_splits(self, bs: int, max_context_len: int | None = None) -> int | None:
+        if self.query_len != 1:
+            return None
+        return decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
+                                 self.buffer.device, max_context_len)  # fmt: skip
+
+    def _keys(self, bs: int) -> list[tuple[int, bool, int | None]]:
+        full = self._num_splits(bs)
+        keys = [(bs, False, full)]
+        if full is not None:
+            keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
+        return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
     def _fields(self, bs: int) -> list[torch.Tensor]:
         """Views of the buffer for padded size bs: ids, gather, positions, slots, logits rows
@@ -187,8 +217,8 @@ class DecodeGraphs:
         ctx = self.buffer[start + 4 * m + bs : start + 4 * m + bs + -(-bs // 2)]
         return fields + [ctx.view(torch.int32)[:bs]]
 
-    def _run(self, bs: int, host_ctx: list[int] | None = None,
-             shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _run(self, bs: int, shared: bool, splits: int | None,
+             host_ctx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The captured forward; `host_ctx`: the context lengths on the host, which only an
         eager replay (capture=False) can use (the CPU attention needs them)."""
         _, gather, positions, slots, rows, ctx = self._fields(bs)
@@ -206,11 +236,10 @@ class DecodeGraphs:
             context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
             is_decode_only=decode,
-            num_splits=decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
-                                         self.buffer.device) if decode else None,
+            num_splits=splits,
             shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
-        self.metadata[bs, shared] = md
+        self.metadata[bs, shared, splits] = md
         with forward_context(md):
             hidden = self.model(self.buffer[gather], positions)
         last = hidden.index_select(0, rows) if self.prefill else hidden
@@ -232,11 +261,12 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = self.pool
         for bs in reversed(self.sizes):
-            md, positions = self.metadata[bs, False], self._fields(bs)[2]  # verify graphs only
+            key = (bs, False, None)  # verify graphs only
+            md, positions = self.metadata[key], self._fields(bs)[2]
 
-            def run(bs=bs, md=md, positions=positions) -> torch.Tensor:
+            def run(bs=bs, key=key, md=md, positions=positions) -> torch.Tensor:
                 chosen = self.seg_starts[:bs] + self.accepted[:bs]
-                return draft_tokens(md, positions, self.outputs[bs, False][0],
+                return draft_tokens(md, positions, self.outputs[key][0],
                                     self.next_ids[: bs * q],
                                     chosen, self.block_tables[:bs], self.limits[:bs],
                                     None)  # fmt: skip
@@ -322,11 +352,14 @@ class DecodeGraphs:
                 host_ctx = dev_ctx[:b].tolist()
         # A fix only lengthens contexts: a plan on the host's lengths shares no written block.
         shared = bs in self.shared_sizes and self._copy_shared_plan(tables, ctx[:b], bs, pin)
+        # Sized by the host's lengths (a fix may lengthen them: any count gives the same result
+        # up to rounding), as the eager step's (runner._device_inputs).
+        key = (bs, shared, self._num_splits(bs, None if shared else max(context_lens)))
         if self.capture:
-            self.graphs[bs, shared].replay()
+            self.graphs[key].replay()
         else:
-            self.outputs[bs, shared] = self._run(bs, host_ctx + [q] * (bs - b), shared)
+            self.outputs[key] = self._run(*key, host_ctx + [q] * (bs - b))
         self.num_replays += 1
         self.num_shared_replays += shared
-        hidden, logits = self.outputs[bs, shared]
+        hidden, logits = self.outputs[key]
         return hidden[:n], logits if self.prefill else logits[:n]

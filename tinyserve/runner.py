@@ -154,7 +154,7 @@ class ModelRunner:
             mc = self.model_config
             md.num_splits = decode_num_splits(
                 len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
-                self.max_blocks_per_seq * self.block_size, self.device,
+                self.max_blocks_per_seq * self.block_size, self.device, max(h.ctx_lens),
             )  # fmt: skip
         return x
 
