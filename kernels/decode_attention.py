@@ -38,16 +38,19 @@ from ._common import (
 )
 
 
-@triton.jit
+# The split count is a runtime argument, never specialized on (Triton would compile a variant
+# for 1 and for multiples of 16): the count follows each step's context length
+# (graphs.decode_num_splits), and a first-use compile mid-run stalls a step for ~0.5 s.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, skip_ptr, out_ptr, part_ptr, lse_ptr,
-    scale_log2e,
+    scale_log2e, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
     SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -60,7 +63,7 @@ def _decode_kernel(
     if SHARED_SPLITS > 0:
         skip = tl.load(skip_ptr + b)
     # Each split gets whole tiles, so only a split's last tile is partial.
-    split_len = tl.cdiv(tl.cdiv(context_len - skip, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(context_len - skip, num_splits), BLOCK_N) * BLOCK_N
     start = skip + split * split_len
     end = tl.minimum(start + split_len, context_len)
 
@@ -114,13 +117,13 @@ def _decode_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (padding rows) gives zeros, not NaN
-    if NUM_SPLITS == 1 and SHARED_SPLITS == 0:
+    if ONE_PASS:  # one split, no shared prefix: the output itself
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        # part (B, Hq, S + NUM_SPLITS, D) and lse (B, Hq, S + NUM_SPLITS), float32, contiguous;
+        # part (B, Hq, S + num_splits, D) and lse (B, Hq, S + num_splits), float32, contiguous;
         # the first S = SHARED_SPLITS slots are the shared-prefix kernel's.
-        total = SHARED_SPLITS + NUM_SPLITS
+        total = SHARED_SPLITS + num_splits
         head_rows = b * tl.num_programs(1) * GROUP + heads
         row = head_rows * total + SHARED_SPLITS + split
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
@@ -206,19 +209,18 @@ def _shared_prefix_kernel(
     tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
-    s_mask = s < NUM_SPLITS
-    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + s
+    s_mask = s < num_splits
+    row = (b * tl.num_programs(1) + h) * num_splits + s
     lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # softmax weight of each split
@@ -337,13 +339,13 @@ def decode_attention(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, shared_lens if shared else context_lens,
         out, part, lse,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_PASS=total == 1,
         SHARED_SPLITS=prefix_splits, BLOCK_P=next_pow2(max(prefix_splits, 1)),
         PRECISION=dot_precision(q.dtype), UPCAST=interp,
         num_warps=num_warps or 4, **pdl(q.device),
@@ -351,8 +353,8 @@ def decode_attention(
     )  # fmt: skip
     if total > 1:
         _merge_kernel[(batch, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=total, BLOCK_S=next_pow2(total), HEAD_DIM=head_dim,
+            part, lse, out, out.stride(0), out.stride(1), total,
+            BLOCK_S=max(16, next_pow2(total)), HEAD_DIM=head_dim,  # one variant up to 16
             num_warps=4 if head_dim >= 128 else 2, **pdl(q.device),
         )  # fmt: skip
     return out
