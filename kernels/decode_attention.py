@@ -40,7 +40,7 @@ from ._common import (
 
 # The split count is a runtime argument, never specialized on (Triton would compile a variant
 # for 1 and for multiples of 16): the count follows each step's context length
-# (graphs.decode_num_splits), and a first-use compile mid-run stalls a step for ~0.5 s.
+# (graphs.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, skip_ptr, out_ptr, part_ptr, lse_ptr,

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode batches: one graph per padded batch size, captured once at start-up.
+"""CUDA graphs for decode batches: one graph per padded batch size and decode split count (a
+short context takes fewer splits, see `decode_num_splits`), captured once at start-up.
 
 A decode step of a small model is a few hundred tiny kernel launches; replaying them as one graph
 removes the launch gaps. The step's host work around the replay is kept to two host-to-device
