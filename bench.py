@@ -924,18 +924,20 @@ def bench_spec(args) -> dict:
         spec = dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}
         llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=max(args.batches), **spec)
         for b in args.batches:
-            prompts = [[rng.randrange(100, vocab - 100) for _ in range(32)] for _ in range(b)]
+            n_in = args.prompt_len
+            prompts = [[rng.randrange(100, vocab - 100) for _ in range(n_in)] for _ in range(b)]
             for f in range(k + 1) if k else [None]:
                 llm.engine.config.spec_force_accept = f
                 # Warm-up: first-use Triton compiles of this batch's eager shapes would land in
                 # the first timed run (they made f = 0 look 2.5 ms a step slower than f = 1).
                 # Past 64 keys, so eager decode steps also meet a split count above one.
-                warm = [[rng.randrange(100, vocab - 100) for _ in range(32)] for _ in range(b)]
+                warm = [[rng.randrange(100, vocab - 100) for _ in range(n_in)] for _ in range(b)]
                 temp = args.temperature
                 _run_offline(llm, warm, [min(new, 48)] * b, temp)  # other prompts: no prefix hits
                 dt, n_out = _run_offline(llm, prompts, [new] * b, temp)
                 steps = -(-new // (f + 1)) if k else new
-                r = {"batch": b, "k": k or 0, "forced_accept": f, "temperature": temp,
+                r = {"batch": b, "prompt_len": n_in, "k": k or 0, "forced_accept": f,
+                     "temperature": temp,
                      "out_tok_per_s": n_out / dt,
                      "step_ms": dt / steps * 1e3}  # fmt: skip
                 if not k:
@@ -1136,6 +1138,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=32, help="spec: prompt tokens per sequence")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--compare-hf", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default="bench-results")

@@ -51,7 +51,7 @@ def _decode_kernel(
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
-    SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr,
+    SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, QUERY_LEN: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)
@@ -67,11 +67,15 @@ def _decode_kernel(
     start = skip + split * split_len
     end = tl.minimum(start + split_len, context_len)
 
-    g = tl.arange(0, BLOCK_G)  # query heads of this kv head, padded to a dot-friendly size
+    # Tile row r: query token j = r // GROUP of the row's QUERY_LEN (its last positions), query
+    # head g = r % GROUP of this kv head; padded to a dot-friendly size.
+    r = tl.arange(0, BLOCK_G)
+    token = b * QUERY_LEN + r // GROUP  # row of q / out
+    heads = kv_head * GROUP + r % GROUP
+    g_mask = r < QUERY_LEN * GROUP
+    last_key = context_len - QUERY_LEN + r // GROUP  # causal: the last key each row sees
     d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + g
-    g_mask = g < GROUP
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q_ptrs = q_ptr + token[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
     if UPCAST:
         q = q.to(tl.float32)
@@ -104,10 +108,17 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_G, BLOCK_N)
-        qk = tl.where(n_mask[None, :], qk * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a valid column
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        visible = n_mask[None, :]
+        if QUERY_LEN > 1:
+            visible = visible & (n[None, :] <= last_key[:, None])
+        qk = tl.where(visible, qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if QUERY_LEN > 1:  # a row may see no key of a split yet: keep exp2 away from -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new  # finite: every tile has a valid column
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(v_ptr.dtype.element_ty)  # P @ V in the cache dtype, fp32 accumulate
         if UPCAST:
@@ -118,13 +129,13 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (padding rows) gives zeros, not NaN
     if ONE_PASS:  # one split, no shared prefix: the output itself
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        o_ptrs = out_ptr + token[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        # part (B, Hq, S + num_splits, D) and lse (B, Hq, S + num_splits), float32, contiguous;
-        # the first S = SHARED_SPLITS slots are the shared-prefix kernel's.
+        # part (B * QUERY_LEN, Hq, S + num_splits, D) and lse (B * QUERY_LEN, Hq, S + num_splits),
+        # float32, contiguous; the first S = SHARED_SPLITS slots are the shared-prefix kernel's.
         total = SHARED_SPLITS + num_splits
-        head_rows = b * tl.num_programs(1) * GROUP + heads
+        head_rows = token * tl.num_programs(1) * GROUP + heads
         row = head_rows * total + SHARED_SPLITS + split
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
                  mask=g_mask[:, None])  # fmt: skip
@@ -249,6 +260,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, devi
     return best
 
 
+MAX_TILE_ROWS = 64  # query rows (tokens x query heads) of one kv head's decode tile
 SHARED_BLOCK_M = 64  # query rows (member rows x query heads per kv head) of a shared-prefix tile
 
 
@@ -275,18 +287,29 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """q (B, Hq, D) -> out (B, Hq, D) in q's dtype (fp32 / bf16 / fp16; head_dim and block_size
     powers of two). `max_context_len` (host int, optional) only picks the split count, never the
     result; without it the block-table width stands in (use that under a CUDA graph).
+
+    `query_len` > 1 (a speculative verify step: the last token and its drafts): q is
+    (B * query_len, Hq, D), sequence b's rows b * query_len.. are its last query_len positions,
+    each attending causally; the query_len x Hq / Hkv rows of a kv head share one tile, so
+    query_len * Hq / Hkv <= MAX_TILE_ROWS. No shared prefixes then.
 
     `shared_chunks` (C, 1 + R) and `shared_lens` (B,) (see the module docstring; R from
     `shared_prefix_rows`) attend shared prefixes once per chunk, in `shared_splits` splits. A
     row's shared length must be a multiple of the block size, less than its context length, and
     its first blocks must equal its leader's."""
     check(q.dim() == 3 and k_cache.dim() == 4, "q must be (B, Hq, D), caches (N, bs, Hkv, D)")
-    batch, num_heads, head_dim = q.shape
+    q_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    check(query_len >= 1 and q_rows % query_len == 0, "q must have query_len rows a sequence")
+    batch = q_rows // query_len
+    check(query_len == 1 or query_len * num_heads // num_kv_heads <= MAX_TILE_ROWS,
+          f"query_len x Hq / Hkv must be <= {MAX_TILE_ROWS}")  # fmt: skip
+    check(query_len == 1 or shared_chunks is None, "shared prefixes need query_len 1")
     check_paged(q, k_cache, v_cache, block_tables, batch)
     check(context_lens.dtype == torch.int32 and context_lens.shape == (batch,),
           "context_lens must be (B,) int32")  # fmt: skip
@@ -318,9 +341,9 @@ def decode_attention(
               and shared_lens.is_contiguous(), "shared_lens must be (B,) int32")  # fmt: skip
         check(shared_splits >= 1, "shared_splits must be >= 1")
     if total > 1:
-        part = torch.empty(batch, num_heads, total, head_dim, device=q.device,
+        part = torch.empty(q_rows, num_heads, total, head_dim, device=q.device,
                            dtype=torch.float32)  # fmt: skip
-        lse = torch.empty(batch, num_heads, total, device=q.device, dtype=torch.float32)
+        lse = torch.empty(q_rows, num_heads, total, device=q.device, dtype=torch.float32)
     else:
         part = lse = out  # unused by the kernel
     if shared and shared_chunks.shape[0]:
@@ -344,15 +367,15 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(16, next_pow2(query_len * group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_PASS=total == 1,
         SHARED_SPLITS=prefix_splits, BLOCK_P=next_pow2(max(prefix_splits, 1)),
-        PRECISION=dot_precision(q.dtype), UPCAST=interp,
+        QUERY_LEN=query_len, PRECISION=dot_precision(q.dtype), UPCAST=interp,
         num_warps=num_warps or 4, **pdl(q.device),
         num_stages=num_stages or (2 if q.dtype == torch.float32 else 3),  # fp32 tiles: 2x smem
     )  # fmt: skip
     if total > 1:
-        _merge_kernel[(batch, num_heads)](
+        _merge_kernel[(q_rows, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), total,
             BLOCK_S=max(16, next_pow2(total)), HEAD_DIM=head_dim,  # one variant up to 16
             num_warps=4 if head_dim >= 128 else 2, **pdl(q.device),

@@ -113,6 +113,27 @@ def test_decode_attention(dtype, case):
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.125), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+@pytest.mark.parametrize("query_len", [2, 4])
+def test_decode_attention_verify_rows(dtype, case, query_len):
+    """A speculative verify step through the decode kernel: each sequence's last query_len
+    positions attend causally (the prefill oracle); one row's context is query_len itself, and
+    with 3 splits of 16-key tiles some rows see no key of the last split."""
+    num_heads, num_kv_heads, head_dim, block_size, num_splits = case
+    lens = [query_len, 37, 19 + query_len]
+    k_cache, v_cache, table, context_lens = paged_cache(
+        3, lens, num_kv_heads, head_dim, block_size, dtype
+    )
+    q = randn(3 * query_len, num_heads, head_dim, dtype=dtype)
+    cu = torch.arange(0, 3 * query_len + 1, query_len, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q)
+    decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, out, num_splits=num_splits,
+                     query_len=query_len)  # fmt: skip
+    want = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.125)
+    assert_rel(out, want, dtype)
+
+
 def shared_prefix_case(num_heads, num_kv_heads, head_dim, block_size, dtype):
     """Six rows: rows 0, 1, 3 share their first 2 blocks (two chunks of one group), rows 2, 4
     their first block, row 5 nothing; plus an unused chunk. Returns the inputs and the chunks."""

@@ -9,7 +9,8 @@ overlapped loop's inputs), and the graph ends with the greedy argmax into the sa
 
 Padded rows write their KV into a scratch block (the last block of the cache, never handed out by
 the pool) and attend to it only, so they cannot disturb real sequences. `query_len` > 1 captures
-the speculative verify step: every row runs its last token plus k drafts (k + 1 queries).
+the speculative verify step: every row runs its last token plus k drafts (k + 1 queries, which
+the decode kernel attends split-K like a decode row).
 
 With `shared_prefix`, decode batches of 16 or more rows also get a second graph per size whose
 attention reads KV blocks that several rows share (prefix-cache hits) once per group of rows
@@ -177,8 +178,8 @@ class DecodeGraphs:
                                              dtype=torch.int32, device=dev)  # fmt: skip
             self.shared_buffer[n:] = -1
         # Keys (bs, shared, splits): decode graphs come in every split count a step of bs rows
-        # may pick (`decode_num_splits`, short contexts take fewer), cascade graphs in the full
-        # one; other graphs have splits None.
+        # may pick (`decode_num_splits`, short contexts take fewer), cascade and verify graphs
+        # in the full one; prefill graphs have splits None.
         self.graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
         self.num_replays = self.num_shared_replays = 0
         # key -> (hidden, logits) and what the captured graph reads
@@ -198,15 +199,17 @@ class DecodeGraphs:
         self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
 
     def _num_splits(self, bs: int, max_context_len: int | None = None) -> int | None:
-        if self.query_len != 1:
+        if self.prefill:
             return None
+        if self.query_len > 1:  # verify steps: the size's full count, one graph per size
+            max_context_len = None
         return decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
                                  self.buffer.device, max_context_len)  # fmt: skip
 
     def _keys(self, bs: int) -> list[tuple[int, bool, int | None]]:
         full = self._num_splits(bs)
         keys = [(bs, False, full)]
-        if full is not None:
+        if full is not None and self.query_len == 1:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
@@ -237,6 +240,7 @@ class DecodeGraphs:
             context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
             is_decode_only=decode,
+            verify_query_len=0 if decode or self.prefill else self.query_len,
             num_splits=splits,
             shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
@@ -262,7 +266,7 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = self.pool
         for bs in reversed(self.sizes):
-            key = (bs, False, None)  # verify graphs only
+            key = self._keys(bs)[0]  # verify graphs only: one per size
             md, positions = self.metadata[key], self._fields(bs)[2]
 
             def run(bs=bs, key=key, md=md, positions=positions) -> torch.Tensor:

@@ -148,13 +148,15 @@ class ModelRunner:
     def _device_inputs(self, h: HostInputs) -> StepInputs:
         x = device_inputs(h, self.device, self.mtp is not None)
         md = x.metadata
-        if md.is_decode_only and self.device.type == "cuda":
+        if (md.is_decode_only or md.verify_query_len) and self.device.type == "cuda":
             from tinyserve.graphs import decode_num_splits
 
             mc = self.model_config
+            # As the graphs pick them: verify steps take the size's full count.
             md.num_splits = decode_num_splits(
                 len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
-                self.max_blocks_per_seq * self.block_size, self.device, max(h.ctx_lens),
+                self.max_blocks_per_seq * self.block_size, self.device,
+                max(h.ctx_lens) if md.is_decode_only else None,
             )  # fmt: skip
         return x
 

@@ -182,6 +182,7 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         context_lens_cpu=h.ctx_lens,
         max_context_len=max(h.ctx_lens),
         is_decode_only=all(n == 1 for n in h.q_lens),
+        verify_query_len=h.q_lens[0] if h.spec and len(set(h.q_lens)) == 1 else 0,
     )
     spec = h.spec
     lengths = _lengths(h.seg_starts, len(h.logits_idx))

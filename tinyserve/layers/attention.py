@@ -28,6 +28,9 @@ class AttentionMetadata:
     context_lens_cpu: list[int]
     max_context_len: int
     is_decode_only: bool  # every sequence has exactly one query token
+    # A speculative verify step where every sequence runs its last token and k drafts: k + 1
+    # (else 0). The decode kernel attends such rows with split-K too (long contexts).
+    verify_query_len: int = 0
     # Decode split-K count, fixed per padded batch size so that eager and CUDA-graph steps sum
     # in the same order (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
@@ -182,7 +185,7 @@ class Attention(nn.Module):
         return prefill_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
 
     def _forward_triton(self, qkv, rope, q_norm, k_norm) -> torch.Tensor:
-        from tinyserve.kernels.decode_attention import decode_attention
+        from tinyserve.kernels.decode_attention import MAX_TILE_ROWS, decode_attention
         from tinyserve.kernels.prefill_attention import prefill_attention
         from tinyserve.kernels.rope_store_kv import rope_store_kv
 
@@ -190,12 +193,14 @@ class Attention(nn.Module):
         norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
         q = rope_store_kv(qkv, rope.positions, rope.cos_sin_cache, self.k_cache, self.v_cache,
                           md.slot_mapping, self.num_heads, *norms)  # fmt: skip
-        if md.is_decode_only:
+        group = self.num_heads // self.num_kv_heads
+        if md.is_decode_only or 0 < md.verify_query_len * group <= MAX_TILE_ROWS:
             return decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
                 max_context_len=md.max_context_len or None, num_splits=md.num_splits,
                 shared_chunks=md.shared_prefix[0] if md.shared_prefix else None,
                 shared_lens=md.shared_prefix[1] if md.shared_prefix else None,
+                query_len=md.verify_query_len or 1,
             )  # fmt: skip
         return prefill_attention(
             q, self.k_cache, self.v_cache, md.block_tables, md.cu_seqlens_q, md.context_lens,
