@@ -276,6 +276,36 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     assert same >= 0.9 * len(seen[0]), (same, len(seen[0]))
 
 
+def test_verify_steps_take_the_split_k_decode_kernel(tmp_path, monkeypatch):
+    """Eager MTP verify steps (k = 3) attend through decode_attention with query_len 4 (split-K
+    over the context), not the prefill kernel; their greedy tokens are speculation-off's."""
+    from tinyserve.kernels import decode_attention as kernel
+
+    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
+                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
+                     max_position_embeddings=4096)  # fmt: skip
+    query_lens = []
+    real = kernel.decode_attention
+
+    def spy(*args, query_len=1, **kwargs):
+        query_lens.append(query_len)
+        return real(*args, query_len=query_len, **kwargs)
+
+    monkeypatch.setattr(kernel, "decode_attention", spy)
+    prompt = [(7 * j) % 900 + 100 for j in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for spec in ({}, {"speculative_method": "mtp", "num_speculative_tokens": 3}):
+        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=4,
+                  enforce_eager=True, **spec)  # fmt: skip
+        outs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+    assert 4 in query_lens
+
+
 @pytest.mark.parametrize(("force", "temperature"), [(None, 0), (2, 0), (2, 0.8)])
 def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force, temperature):
     """MTP verify steps overlap: the next step's last token, drafts, positions and (seeded
