@@ -44,18 +44,21 @@ KEYS_PER_SPLIT = 64
 
 
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
-                      device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
+                      device: torch.device, max_context_len: int | None = None,
+                      query_len: int = 1) -> int:  # fmt: skip
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
     cut to the power of two that gives the step's longest context about KEYS_PER_SPLIT keys per
     split (H100, qwen3-0.6b batch-1 graph at 288 keys: 0.88 ms with 8 splits, 0.95 ms with
     32; at 48 keys one split, which needs no merge pass, 0.82 against 0.93 ms). A function of
-    the padded size and the longest context, so eager and graph steps sum in the same order."""
+    the padded size and the longest context, so eager and graph steps sum in the same order.
+    Verify steps (`query_len` > 1) keep the full count: one verify graph, and one drafting
+    graph after it, per size."""
     if device.type != "cuda":
         return 1
     from tinyserve.kernels.decode_attention import default_num_splits
 
     full = default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
-    if max_context_len is None:
+    if max_context_len is None or query_len > 1:
         return full
     return min(full, 1 << max(0, -(-max_context_len // KEYS_PER_SPLIT) - 1).bit_length())
 
@@ -201,10 +204,8 @@ class DecodeGraphs:
     def _num_splits(self, bs: int, max_context_len: int | None = None) -> int | None:
         if self.prefill:
             return None
-        if self.query_len > 1:  # verify steps: the size's full count, one graph per size
-            max_context_len = None
         return decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
-                                 self.buffer.device, max_context_len)  # fmt: skip
+                                 self.buffer.device, max_context_len, self.query_len)  # fmt: skip
 
     def _keys(self, bs: int) -> list[tuple[int, bool, int | None]]:
         full = self._num_splits(bs)

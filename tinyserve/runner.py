@@ -152,11 +152,10 @@ class ModelRunner:
             from tinyserve.graphs import decode_num_splits
 
             mc = self.model_config
-            # As the graphs pick them: verify steps take the size's full count.
             md.num_splits = decode_num_splits(
                 len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
-                self.max_blocks_per_seq * self.block_size, self.device,
-                max(h.ctx_lens) if md.is_decode_only else None,
+                self.max_blocks_per_seq * self.block_size, self.device, max(h.ctx_lens),
+                md.verify_query_len or 1,
             )  # fmt: skip
         return x
 

@@ -173,6 +173,7 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
     def t(x: list | np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return to_device(x, device, dtype)
 
+    spec = h.spec
     md = AttentionMetadata(
         slot_mapping=t(h.slots),
         block_tables=t(h.tables, torch.int32),
@@ -182,9 +183,8 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         context_lens_cpu=h.ctx_lens,
         max_context_len=max(h.ctx_lens),
         is_decode_only=all(n == 1 for n in h.q_lens),
-        verify_query_len=h.q_lens[0] if h.spec and len(set(h.q_lens)) == 1 else 0,
+        verify_query_len=h.q_lens[0] if spec and len(set(h.q_lens)) == 1 else 0,
     )
-    spec = h.spec
     lengths = _lengths(h.seg_starts, len(h.logits_idx))
     seg_ids = [s for s, n in enumerate(lengths) for _ in range(n)] if spec else []
     return StepInputs(

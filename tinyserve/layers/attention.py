@@ -31,8 +31,9 @@ class AttentionMetadata:
     # A speculative verify step where every sequence runs its last token and k drafts: k + 1
     # (else 0). The decode kernel attends such rows with split-K too (long contexts).
     verify_query_len: int = 0
-    # Decode split-K count, fixed per padded batch size so that eager and CUDA-graph steps sum
-    # in the same order (bit-identical outputs); None lets the kernel choose.
+    # Decode split-K count, a function of the padded batch size and the longest context
+    # (graphs.decode_num_splits), so that eager and CUDA-graph steps sum in the same order
+    # (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU path, set lazily
     # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
