@@ -227,9 +227,11 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     pass); batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head model."""
     from tinyserve.kernels import decode_attention
 
+    from tinyserve import graphs
     from tinyserve.graphs import KEYS_PER_SPLIT, decode_num_splits
 
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
+    graphs._full_num_splits.cache_clear()  # computed with the real SM count elsewhere
     cuda = torch.device("cuda")
 
     def splits(batch, ctx):

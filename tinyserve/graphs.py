@@ -21,6 +21,8 @@ differ from it by rounding, as with a different split count.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -55,12 +57,19 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     graph after it, per size."""
     if device.type != "cuda":
         return 1
-    from tinyserve.kernels.decode_attention import default_num_splits
-
-    full = default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
+    full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
     if max_context_len is None or query_len > 1:
         return full
     return min(full, 1 << max(0, -(-max_context_len // KEYS_PER_SPLIT) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=4096)
+def _full_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
+                     device: torch.device) -> int:  # fmt: skip
+    """Cached: every decode step asks (12 us a call uncached on this CPU at batch 1)."""
+    from tinyserve.kernels.decode_attention import default_num_splits
+
+    return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
 
 
 SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
