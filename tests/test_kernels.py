@@ -425,9 +425,11 @@ def test_silu_mul(dtype):
     ("m", "method"), [(1, None), (2, None), (3, None), (3, "stream"), (16, None)]
 )
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
-def test_gemv(dtype, m, method, out_dtype):
-    """out_dtype float32: the accumulator itself (the LM head's logits), rounded only once."""
-    n, k = 37, 1000  # odd sizes: partial row tile and partial K tiles
+@pytest.mark.parametrize("k", [1000, 100])
+def test_gemv(dtype, m, method, out_dtype, k):
+    """out_dtype float32: the accumulator itself (the LM head's logits), rounded only once. Odd
+    sizes: a partial row tile, and K in 8 tiles (the last partial) or in one partial tile."""
+    n = 37
     x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
     out = torch.full((m, n), float("nan"), dtype=out_dtype or dtype, device=DEVICE)
     assert gemv(x, w, out, method=method, block_k=128) is out
@@ -437,10 +439,11 @@ def test_gemv(dtype, m, method, out_dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_gemv_norm_prologue(dtype, m, with_residual):
+@pytest.mark.parametrize("k", [1000, 100])
+def test_gemv_norm_prologue(dtype, m, with_residual, k):
     """gemv(norm=...) == linear(rms_norm(x + residual)); x + residual lands in residual_out,
     written by one program while the others still read x and residual."""
-    n, k = 37, 1000
+    n = 37
     x, w, nw = randn(m, k, dtype=dtype, scale=3.0), randn(n, k, dtype=dtype), randn(k, dtype=dtype)
     bias = randn(n, dtype=dtype)
     res = randn(m, k, dtype=dtype) if with_residual else None
