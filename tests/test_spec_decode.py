@@ -12,13 +12,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from tinyserve.kernels.spec_accept import accept_drafts_ref
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.config import InvalidConfig
 from tinyserve.layers.attention import forward_context
 from tinyserve.sampling import SamplingRow, SamplingTensors, sample
 from tinyserve.sequence import PLACEHOLDER
-from tinyserve.spec_decode import NgramProposer, accepted_counts
+from tinyserve.spec_decode import NgramProposer
 
 VOCAB = 96
 CONFIG = dict(
@@ -98,16 +99,6 @@ def test_ngram_proposer_takes_the_most_recent_match():
     assert p.propose([1]) == []
 
 
-def test_accepted_counts_per_segment():
-    # three sequences: 2 drafts (both accepted), 3 drafts (first rejected), no drafts
-    sampled = torch.tensor([5, 6, 7, 1, 2, 3, 4, 9])
-    draft_next = torch.tensor([5, 6, -1, 8, 2, 3, -1, -1])
-    seg_ids = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
-    starts = torch.tensor([0, 3, 7])
-    assert accepted_counts(sampled, draft_next, seg_ids, starts).tolist() == [2, 0, 0]
-    assert accepted_counts(sampled, draft_next, seg_ids, starts, force=1).tolist() == [1, 1, 0]
-
-
 def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     expected = probs / probs.sum() * counts.sum()
     keep = expected > 0
@@ -129,7 +120,7 @@ def test_rejection_sampling_matches_the_target_distribution():
     sampled = sample(logits.repeat(2 * N, 1), SamplingTensors.build(rows, V, "cpu")).token_ids
     draft_next = torch.tensor([draft, -1]).repeat(N)
     seg_ids = torch.arange(N).repeat_interleave(2)
-    acc = accepted_counts(sampled, draft_next, seg_ids, torch.arange(0, 2 * N, 2))
+    acc = accept_drafts_ref(sampled, draft_next, torch.arange(0, 2 * N, 2), seg_ids)
     first = sampled[0::2]  # the emitted token: the accepted draft, or the replacement
     assert torch.equal(acc == 1, first == draft)
     p = torch.softmax(logits / 0.8, -1).double().numpy()

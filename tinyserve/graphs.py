@@ -300,11 +300,12 @@ class DecodeGraphs:
         b, q = accepted.shape[0], self.query_len
         bs = next(s for s in self.sizes if s >= b)
         self.next_ids[: b * q].copy_(next_ids)
-        self.next_ids[b * q : bs * q].zero_()
         self.accepted[:b].copy_(accepted)
-        self.accepted[b:bs].zero_()
         self.limits[:b].copy_(limits)
-        self.limits[b:bs].zero_()
+        if b < bs:  # padded rows
+            self.next_ids[b * q : bs * q].zero_()
+            self.accepted[b:bs].zero_()
+            self.limits[b:bs].zero_()
         graph, out = self.draft_graphs[bs]
         graph.replay()
         return out[:b]

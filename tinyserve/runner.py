@@ -8,17 +8,19 @@ pinned host memory. The engine calls it while the next step already runs (the ov
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
+from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref
+from tinyserve.kernels.spec_shift import spec_shift, spec_shift_ref
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
 from tinyserve.pending import PendingStep, to_host
 from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
-from tinyserve.spec_decode import accepted_counts
 from tinyserve.step_inputs import (
     HostInputs,
     StepInputs,
@@ -196,17 +198,18 @@ class ModelRunner:
         x = self._device_inputs(h) if graphs is None or h.spec or self.mtp is not None else None
         fix = None
         if x is not None and x.shift is not None:  # tokens of the MTP step in flight
+            shift = spec_shift if self.device.type == "cuda" else spec_shift_ref
 
-            def fix(ids, positions, slots, ctx, tables):
-                self._shift(prev, x.shift, ids, positions, slots, ctx, tables)
+            def fix(ids, positions, slots, ctx, tables, draft_next=x.draft_next):
+                shift(x.shift, prev.accepted, prev.sampled, prev.seg_dev, prev.drafts, ids,
+                      positions, slots, ctx, tables, self.block_size, draft_next)  # fmt: skip
 
-            if x.draft_next is not None:
-                self._shift_drafts(prev, x.shift, x.draft_next)
             # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
             # otherwise the eager forward or the eager MTP drafting reads these.
             if graphs is None or graphs is not self.verify_graphs:
                 md = x.metadata
                 fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables)
+                fix = functools.partial(fix, draft_next=None) if graphs is not None else None
                 if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync)
                     md.context_lens_cpu = md.context_lens.tolist()
                     md.max_context_len = max(md.context_lens_cpu)
@@ -252,12 +255,14 @@ class ModelRunner:
             result = sample(logits, st)
         sampled = result.token_ids
         if x is not None and x.draft_next is not None:
+            # spec_force_accept (benchmarks): the first f drafts become the emitted tokens,
+            # written into `sampled`
             force = self.config.spec_force_accept
-            accepted = accepted_counts(sampled, x.draft_next, x.seg_ids, x.seg_starts, force)
-            if force is not None:  # benchmarks: the first f drafts become the emitted tokens
-                row_in_seq = torch.arange(len(h.logits_idx), device=self.device)
-                row_in_seq = row_in_seq - x.seg_starts[x.seg_ids]
-                sampled = torch.where(row_in_seq < accepted[x.seg_ids], x.draft_next, sampled)
+            if self.device.type == "cuda":
+                rows_per_seq = self.config.num_speculative_tokens + 1
+                accepted = accept_drafts(sampled, x.draft_next, x.seg_starts, rows_per_seq, force)
+            else:
+                accepted = accept_drafts_ref(sampled, x.draft_next, x.seg_starts, x.seg_ids, force)
         else:
             accepted = None
         last = self.graphs.last_sampled if self.graphs is not None else None
@@ -277,30 +282,6 @@ class ModelRunner:
             step.event = torch.cuda.Event()
             step.event.record()
         return step
-
-    def _shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...], ids: torch.Tensor,
-               positions: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
-               tables: torch.Tensor) -> None:  # fmt: skip
-        """Complete, in place and on the device, the rows that continue an MTP step still in
-        flight: their last token is its emitted one (the target's token after the accepted
-        drafts), their drafts are its MTP drafts, and every position, slot and context length
-        moves up by the drafts it accepted (the host built them as if it accepted none)."""
-        tok, seq, j, row, _, _ = shift
-        a = prev.num_accepted()[seq]
-        last = prev.sampled[prev.seg_dev[seq] + a]
-        ids[tok] = torch.where(j == 0, last, prev.drafts[seq, (j - 1).clamp(min=0)])
-        pos = positions[tok] + a
-        positions[tok] = pos
-        bs = self.block_size
-        slots[tok] = tables[row, pos // bs].long() * bs + pos % bs
-        ctx[row] = ctx[row] + a.to(ctx.dtype)  # every token of a row writes the same value
-
-    def _shift_drafts(self, prev: PendingStep, shift: tuple[torch.Tensor, ...],
-                      draft_next: torch.Tensor) -> None:  # fmt: skip
-        """The draft each continuing logits row verifies: the step in flight's MTP drafts."""
-        _, seq, j, _, num, logit = shift
-        k = prev.drafts.shape[1]
-        draft_next[logit] = torch.where(j < num, prev.drafts[seq, j.clamp(max=k - 1)], -1)
 
     def _step_shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...],
                     num_rows: int) -> torch.Tensor:  # fmt: skip

@@ -1,4 +1,5 @@
-"""Speculative decoding: draft proposers and the verification rule.
+"""Speculative decoding: draft proposers and the verification rule (counted on the device by
+kernels/spec_accept.py).
 
 A decoding row carries k drafts d_1..d_k (from the MTP head or prompt lookup) and the target runs
 its last token plus the drafts in one forward: k + 1 positions, each sampled like an ordinary
@@ -19,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass(slots=True)
@@ -59,29 +59,3 @@ class NgramProposer:
                 start = hits[-1] + n  # the most recent match: edits repeat the nearest text
                 return tokens[start : start + self.k].tolist()
         return []
-
-
-def accepted_counts(
-    sampled: torch.Tensor,
-    draft_next: torch.Tensor,
-    seg_ids: torch.Tensor,
-    seg_starts: torch.Tensor,
-    force: int | None = None,
-) -> torch.Tensor:
-    """Accepted drafts per sampled sequence, on the device (no sync).
-
-    sampled (R,): the target's token at each logits row; draft_next (R,): the draft proposed for
-    the position after each row (-1 where none, so a row's last logits row always mismatches);
-    seg_ids (R,): the sequence of each row; seg_starts (S,): its first row. `force` (benchmarks
-    only) accepts min(force, drafts) whatever the target says.
-    """
-    num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
-    rows = torch.arange(num_rows, device=sampled.device)
-    if force is not None:
-        stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence
-        last = torch.full((num_segs,), num_rows, device=sampled.device)
-        last = last.scatter_reduce(0, seg_ids, stop, "amin")
-        return torch.clamp(last - seg_starts, max=force)
-    miss = torch.where(sampled != draft_next, rows, num_rows)
-    first = torch.full((num_segs,), num_rows, device=sampled.device)
-    return first.scatter_reduce(0, seg_ids, miss, "amin") - seg_starts

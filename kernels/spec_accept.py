@@ -1,0 +1,85 @@
+"""Accepted drafts of a speculative step, one launch: `accept_drafts(sampled (R,), draft_next
+(R,), seg_starts (S,), max_rows, force=None)` -> accepted (S,) int64.
+
+Logits rows come in segments, one per sampling sequence (rows seg_starts[s] up to the next
+start): the target's token at each of its positions, the last one included. draft_next[r] is
+the draft proposed for the position after row r, -1 where none, so a segment's last row always
+mismatches. A sequence accepts its drafts up to the first row whose sampled token differs.
+`force` (benchmarks only) accepts min(force, drafts) whatever the target says, and writes those
+drafts into `sampled` in place (the tokens the step then emits). The torch version took ~15
+small launches, paid on every speculative step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, next_pow2
+
+
+@triton.jit
+def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, num_rows, num_segs, force,
+                   BLOCK_R: tl.constexpr, FORCE: tl.constexpr):  # fmt: skip
+    s = tl.program_id(0)
+    start = tl.load(starts_ptr + s)
+    end = tl.load(starts_ptr + s + 1, mask=s + 1 < num_segs, other=num_rows)
+    i = tl.arange(0, BLOCK_R)
+    rows = start + i
+    inside = rows < end
+    draft = tl.load(draft_ptr + rows, mask=inside, other=-1)
+    if FORCE:
+        last = tl.min(tl.where(inside & (draft < 0), i, BLOCK_R), 0)
+        accepted = tl.minimum(last, force)
+        tl.store(sampled_ptr + rows, draft, mask=inside & (i < accepted))
+    else:
+        token = tl.load(sampled_ptr + rows, mask=inside, other=-1)
+        accepted = tl.min(tl.where(inside & (token != draft), i, BLOCK_R), 0)
+    tl.store(acc_ptr + s, accepted.to(tl.int64))
+
+
+def accept_drafts(
+    sampled: torch.Tensor,
+    draft_next: torch.Tensor,
+    seg_starts: torch.Tensor,
+    max_rows: int,
+    force: int | None = None,
+) -> torch.Tensor:
+    """Segments are at most `max_rows` rows long (k + 1)."""
+    check(sampled.dtype == draft_next.dtype == seg_starts.dtype == torch.long, "int64 inputs")
+    check(sampled.shape == draft_next.shape and sampled.dim() == 1, "sampled, draft_next: (R,)")
+    check(sampled.is_contiguous() and draft_next.is_contiguous() and seg_starts.is_contiguous(),
+          "contiguous inputs")  # fmt: skip
+    num_segs = seg_starts.shape[0]
+    accepted = torch.empty(num_segs, dtype=torch.long, device=sampled.device)
+    if num_segs:
+        _accept_kernel[(num_segs,)](
+            sampled, draft_next, seg_starts, accepted, sampled.shape[0], num_segs,
+            0 if force is None else force, BLOCK_R=next_pow2(max(max_rows, 2)),
+            FORCE=force is not None,
+        )  # fmt: skip
+    return accepted
+
+
+def accept_drafts_ref(
+    sampled: torch.Tensor,
+    draft_next: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_ids: torch.Tensor,
+    force: int | None = None,
+) -> torch.Tensor:
+    """Torch ops, no host sync: the first mismatching row of each segment by scatter-min;
+    seg_ids (R,) is the segment of each row."""
+    num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
+    rows = torch.arange(num_rows, device=sampled.device)
+    first = torch.full((num_segs,), num_rows, device=sampled.device)
+    if force is not None:
+        stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence
+        accepted = torch.clamp(first.scatter_reduce(0, seg_ids, stop, "amin") - seg_starts,
+                               max=force)  # fmt: skip
+        take = rows - seg_starts[seg_ids] < accepted[seg_ids]
+        sampled.copy_(torch.where(take, draft_next, sampled))
+        return accepted
+    miss = torch.where(sampled != draft_next, rows, num_rows)
+    return first.scatter_reduce(0, seg_ids, miss, "amin") - seg_starts
