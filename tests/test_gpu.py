@@ -78,6 +78,16 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     llm.engine.check_invariants()
 
 
+def spy_split_counts(graphs) -> set:
+    """The split counts (key[2]) of the graphs `graphs` replays from now on."""
+    used = set()
+    for key, graph in list(graphs.graphs.items()):
+        graphs.graphs[key] = SimpleNamespace(
+            replay=lambda key=key, graph=graph: (used.add(key[2]), graph.replay())
+        )
+    return used
+
+
 def test_cuda_graphs_on_off_identical(tmp_path):
     """Batch 12, then one sequence whose context grows from 50 to 300 keys: its decode steps
     move through graphs of 1, 2, 4 and 8 splits (decode_num_splits), as the eager steps do."""
@@ -90,15 +100,7 @@ def test_cuda_graphs_on_off_identical(tmp_path):
         llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, enforce_eager=eager)
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager
-        splits = set()
-        if graphs is not None:  # which split counts the replays took
-            for key, graph in list(graphs.graphs.items()):
-                graphs.graphs[key] = SimpleNamespace(
-                    replay=lambda key=key, graph=graph, used=splits: (
-                        used.add(key[2]),
-                        graph.replay(),
-                    )
-                )
+        splits = spy_split_counts(graphs) if graphs is not None else set()
         runs = [
             llm.generate(prompts, params, use_tqdm=False),
             llm.generate([prompts[3] * 2], long, use_tqdm=False),
@@ -248,7 +250,9 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_on
 
 def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     """The drafting graph replayed after a verify graph proposes what the eager MTP pass does
-    (fp32; a split-count difference in the chained attention may flip a rare near-tie)."""
+    (fp32; a split-count difference in the chained attention may flip a rare near-tie). The
+    verify graphs take the split count of the context (12 to ~80 keys: 1 and 2), and the one
+    drafting graph of a size reads the hidden states of whichever ran."""
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=4096)  # fmt: skip
@@ -260,6 +264,7 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
                   num_kv_blocks=2048, speculative_method="mtp", num_speculative_tokens=3,
                   enforce_eager=eager, async_scheduling=False)  # fmt: skip
         engine, drafts = llm.engine, []
+        splits = set() if eager else spy_split_counts(engine.runner.verify_graphs)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
         while engine.has_unfinished():
@@ -267,6 +272,7 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
             drafts.append(sorted((s.seq_id, tuple(s.draft_ids)) for s in engine.scheduler.running))
         if not eager:
             assert engine.runner.verify_graphs.num_replays > 10
+            assert {1, 2} <= splits, splits
         seen.append(drafts)
         del llm, engine
         gc.collect()

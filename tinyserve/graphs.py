@@ -46,19 +46,18 @@ KEYS_PER_SPLIT = 64
 
 
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
-                      device: torch.device, max_context_len: int | None = None,
-                      query_len: int = 1) -> int:  # fmt: skip
+                      device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
     cut to the power of two that gives the step's longest context about KEYS_PER_SPLIT keys per
     split (H100, qwen3-0.6b batch-1 graph at 288 keys: 0.88 ms with 8 splits, 0.95 ms with
     32; at 48 keys one split, which needs no merge pass, 0.82 against 0.93 ms). A function of
     the padded size and the longest context, so eager and graph steps sum in the same order.
-    Verify steps (`query_len` > 1) keep the full count: one verify graph, and one drafting
-    graph after it, per size."""
+    Verify steps take the same count (MiMo-7B batch-1 verify graph, k = 1, 32-token prompts:
+    ~0.2 ms less with 1-2 splits than with 32)."""
     if device.type != "cuda":
         return 1
     full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
-    if max_context_len is None or query_len > 1:
+    if max_context_len is None:
         return full
     return min(full, 1 << max(0, -(-max_context_len // KEYS_PER_SPLIT) - 1).bit_length())
 
@@ -168,6 +167,11 @@ class DecodeGraphs:
         # bs x V float32 alive per graph (~5 GB for sizes up to 512 with a 152k vocabulary).
         self.logits = torch.empty(1 if prefill else n * q, model.lm_head.weight.shape[0],
                                   dtype=torch.float32, device=dev)  # fmt: skip
+        # Verify graphs of one size (one per split count) leave their hidden states here, where
+        # the size's one drafting graph (`capture_drafts`) reads them.
+        w = model.lm_head.weight
+        self.hidden = None if prefill or q == 1 else torch.empty(n * q, w.shape[1], dtype=w.dtype,
+                                                                  device=dev)  # fmt: skip
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev
         )
@@ -189,8 +193,8 @@ class DecodeGraphs:
             self.shared_buffer = torch.zeros(n + n // 2 * (1 + self.shared_rows),
                                              dtype=torch.int32, device=dev)  # fmt: skip
             self.shared_buffer[n:] = -1
-        # Keys (bs, shared, splits): decode graphs come in every split count a step of bs rows
-        # may pick (`decode_num_splits`, short contexts take fewer), cascade and verify graphs
+        # Keys (bs, shared, splits): decode and verify graphs come in every split count a step
+        # of bs rows may pick (`decode_num_splits`, short contexts take fewer), cascade graphs
         # in the full one; prefill graphs have splits None.
         self.graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
         self.num_replays = self.num_shared_replays = 0
@@ -214,12 +218,12 @@ class DecodeGraphs:
         if self.prefill:
             return None
         return decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
-                                 self.buffer.device, max_context_len, self.query_len)  # fmt: skip
+                                 self.buffer.device, max_context_len)  # fmt: skip
 
     def _keys(self, bs: int) -> list[tuple[int, bool, int | None]]:
         full = self._num_splits(bs)
         keys = [(bs, False, full)]
-        if full is not None and self.query_len == 1:
+        if full is not None:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
@@ -257,6 +261,8 @@ class DecodeGraphs:
         self.metadata[bs, shared, splits] = md
         with forward_context(md):
             hidden = self.model(self.buffer[gather], positions)
+        if self.hidden is not None:
+            hidden = self.hidden[: hidden.shape[0]].copy_(hidden)
         last = hidden.index_select(0, rows) if self.prefill else hidden
         logits = self.model.compute_logits(last, out=self.logits[: last.shape[0]])
         # The greedy tokens, where the next step's gather finds them (it reads them before
@@ -276,7 +282,7 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = self.pool
         for bs in reversed(self.sizes):
-            key = self._keys(bs)[0]  # verify graphs only: one per size
+            key = self._keys(bs)[0]  # any split count's: they share inputs and `hidden`
             md, positions = self.metadata[key], self._fields(bs)[2]
 
             def run(bs=bs, key=key, md=md, positions=positions) -> torch.Tensor:

@@ -157,7 +157,6 @@ class ModelRunner:
             md.num_splits = decode_num_splits(
                 len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
                 self.max_blocks_per_seq * self.block_size, self.device, max(h.ctx_lens),
-                md.verify_query_len or 1,
             )  # fmt: skip
         return x
 
