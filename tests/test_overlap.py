@@ -269,17 +269,19 @@ def test_prefill_graphs_give_the_eager_outputs(model_dir, greedy_only):
 
 
 def test_packed_to_device_views():
-    """A step's inputs travel in one copy: each view has its array's values, dtype and shape,
-    and starts 16-byte aligned (Triton compiles a kernel variant per pointer alignment)."""
+    """A step's inputs (and the sampler's) travel in one copy: each view has its array's
+    values, dtype and shape, and starts 16-byte aligned (Triton compiles a kernel variant per
+    pointer alignment)."""
     import numpy as np
 
-    from tinyserve.step_inputs import packed_to_device
+    from tinyserve.transfer import packed_to_device
 
     tables = np.arange(15, dtype=np.int32).reshape(3, 5)
-    arrays = [tables, [7], np.array([1, 2, 3], dtype=np.int32), [], [5, -1, 2**40]]
+    floats = np.array([[0.5, -2.25], [1e-3, 7.0]], dtype=np.float32)
+    arrays = [tables, [7], np.array([1, 2, 3], dtype=np.int32), [], [5, -1, 2**40], floats]
     views = packed_to_device(arrays, torch.device("cpu"))
     assert [v.dtype for v in views] == [torch.int32, torch.long, torch.int32, torch.long,
-                                        torch.long]  # fmt: skip
+                                        torch.long, torch.float32]  # fmt: skip
     assert views[0].shape == (3, 5) and views[0].is_contiguous()
     for a, v in zip(arrays, views):
         assert v.tolist() == (a.tolist() if isinstance(a, np.ndarray) else a)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tinyserve.layers.attention import AttentionMetadata, forward_context
+from tinyserve.transfer import host_array
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -72,14 +73,6 @@ def _full_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_le
 
 
 SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
-
-
-def host_array(x: np.ndarray, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor holding `x`, pinned if asked (an async copy's source; `torch.tensor`
-    cannot pin an array)."""
-    host = torch.empty(x.shape, dtype=dtype, pin_memory=pin)
-    host.numpy()[:] = x
-    return host
 
 
 def plan_shared_prefixes(tables: np.ndarray, ctx: np.ndarray, block_size: int,

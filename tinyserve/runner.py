@@ -21,13 +21,8 @@ from tinyserve.loader import load_model
 from tinyserve.pending import PendingStep, to_host
 from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
-from tinyserve.step_inputs import (
-    HostInputs,
-    StepInputs,
-    build_host_inputs,
-    device_inputs,
-    to_device,
-)
+from tinyserve.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
+from tinyserve.transfer import to_device
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
 

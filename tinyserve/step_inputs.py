@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tinyserve.graphs import host_array
 from tinyserve.layers.attention import AttentionMetadata
 from tinyserve.scheduler import ScheduledBatch
 from tinyserve.sequence import PLACEHOLDER
+from tinyserve.transfer import packed_to_device
 
 
 @dataclass(slots=True)
@@ -151,41 +151,6 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> Host
     return HostInputs(input_ids, positions, slots, cu_q, ctx_lens, tables,
                       list(batch.num_new_tokens), logits_idx, seg_starts, draft_next,
                       next_ids, limits, sample_rows, dst, src, *shift)  # fmt: skip
-
-
-def to_device(
-    x: list | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long
-) -> torch.Tensor:
-    pin = device.type == "cuda"  # pinned, so the copy is async
-    if not isinstance(x, np.ndarray):
-        # Through numpy: 5x faster than torch.tensor(list) (8k ids: 87 vs 463 us, this CPU),
-        # and a mixed step copies several such lists while the GPU waits on the host.
-        x = np.array(x, dtype=_NUMPY[dtype])
-    return host_array(x, dtype, pin).to(device, non_blocking=True)
-
-
-_NUMPY = {torch.long: np.int64, torch.int32: np.int32}
-
-
-def packed_to_device(arrays: list[list | np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Copy int64 arrays (or lists) and int32 ones (np.int32 arrays, any shape) to the device
-    in one pinned, asynchronous copy; returns a device view of each. A step's ~20 small inputs
-    as separate copies cost a launch each, on the host and in the GPU's queue. Every view
-    starts 16-byte aligned, as a fresh allocation does (Triton specializes kernels on it)."""
-    arrays = [a if isinstance(a, np.ndarray) else np.asarray(a, dtype=np.int64) for a in arrays]
-    assert all(a.dtype in (np.int64, np.int32) for a in arrays)
-    words = [-(-a.nbytes // 16) * 2 for a in arrays]  # int64 words, rounded up to 16 bytes
-    host = torch.empty(sum(words), dtype=torch.long, pin_memory=device.type == "cuda")
-    flat = host.numpy()
-    offsets = np.cumsum([0] + words[:-1]).tolist()
-    for a, off, w in zip(arrays, offsets, words):
-        flat[off : off + w].view(a.dtype)[: a.size] = a.ravel()
-    dev = host.to(device, non_blocking=True)
-    return [
-        dev[off : off + w].view(torch.long if a.dtype == np.int64 else torch.int32)[: a.size]
-        .view(a.shape)
-        for a, off, w in zip(arrays, offsets, words)
-    ]  # fmt: skip
 
 
 def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
