@@ -203,6 +203,8 @@ class ModelRunner:
             if graphs is None or graphs is not self.verify_graphs:
                 md = x.metadata
                 fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables)
+                # A decode graph (eager MTP drafting) still fixes its own input buffers; the
+                # drafts to verify are fixed already.
                 fix = functools.partial(fix, draft_next=None) if graphs is not None else None
                 if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync)
                     md.context_lens_cpu = md.context_lens.tolist()
