@@ -66,13 +66,12 @@ def accept_drafts_ref(
     sampled: torch.Tensor,
     draft_next: torch.Tensor,
     seg_starts: torch.Tensor,
-    seg_ids: torch.Tensor,
     force: int | None = None,
 ) -> torch.Tensor:
-    """Torch ops, no host sync: the first mismatching row of each segment by scatter-min;
-    seg_ids (R,) is the segment of each row."""
+    """Torch ops, no host sync: the first mismatching row of each segment by scatter-min."""
     num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
     rows = torch.arange(num_rows, device=sampled.device)
+    seg_ids = torch.searchsorted(seg_starts, rows, right=True) - 1  # each row's segment
     first = torch.full((num_segs,), num_rows, device=sampled.device)
     if force is not None:
         stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence

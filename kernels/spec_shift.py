@@ -10,9 +10,9 @@ sequence accepted:
   positions[tok] += a;  slots[tok] <- the slot of the new position in the row's block table
   ctx[row]       += a (once per row)
   draft_next[logit] <- prev's draft j where j < the row's drafts, else -1
-`spec_shift(shift, accepted | None, sampled, seg_dev, drafts, ids, positions, slots, ctx,
-tables, block_size, draft_next=None)`, all in place; either part may be skipped
-(`ids=None` or `draft_next=None`).
+`spec_shift(shift, prev, inputs, block_size, draft_next=None)`, all in place, with prev =
+(accepted | None, sampled, seg_dev, drafts) and inputs = (ids, positions, slots, ctx, tables);
+either part may be skipped (`inputs=None` or `draft_next=None`).
 """
 
 from __future__ import annotations
@@ -60,20 +60,9 @@ def _shift_kernel(
         tl.store(draft_next_ptr + logit, tl.where(j < num, draft, -1), mask=mask)
 
 
-def spec_shift(
-    shift: tuple[torch.Tensor, ...],
-    accepted: torch.Tensor | None,
-    sampled: torch.Tensor,
-    seg_dev: torch.Tensor,
-    drafts: torch.Tensor,
-    ids: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    slots: torch.Tensor | None,
-    ctx: torch.Tensor | None,
-    tables: torch.Tensor | None,
-    block_size: int,
-    draft_next: torch.Tensor | None = None,
-) -> None:
+def spec_shift(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | None,
+               block_size: int, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+    accepted, sampled, seg_dev, drafts = prev
     n = shift[0].shape[0]
     check(all(t.shape == (n,) and t.dtype == torch.long and t.is_contiguous() for t in shift),
           "shift: six contiguous (n,) int64 tensors")  # fmt: skip
@@ -82,8 +71,9 @@ def spec_shift(
     check(drafts.stride(0) == drafts.shape[1], "drafts: contiguous rows")
     for t in (sampled, seg_dev) + ((accepted,) if accepted is not None else ()):
         check(t.dtype == torch.long and t.is_contiguous(), "prev's outputs: contiguous int64")
-    fix_inputs = ids is not None
+    fix_inputs = inputs is not None
     if fix_inputs:
+        ids, positions, slots, ctx, tables = inputs
         for t in (ids, positions, slots):
             check(t.dtype == torch.long and t.is_contiguous(), "ids, positions, slots: int64")
         check(ctx.dtype == torch.int32 and ctx.is_contiguous(), "ctx: contiguous int32")
@@ -97,7 +87,7 @@ def spec_shift(
     block = min(1024, next_pow2(n))
     _shift_kernel[(triton.cdiv(n, block),)](
         *shift, n, accepted if accepted is not None else dummy, sampled, seg_dev, drafts,
-        drafts.shape[1], *((ids, positions, slots, ctx, tables) if fix_inputs else (dummy,) * 5),
+        drafts.shape[1], *(inputs if fix_inputs else (dummy,) * 5),
         tables.stride(0) if fix_inputs else 0, block_size,
         draft_next if draft_next is not None else dummy,
         HAS_ACC=accepted is not None, FIX_INPUTS=fix_inputs, FIX_DRAFTS=draft_next is not None,
@@ -105,25 +95,15 @@ def spec_shift(
     )  # fmt: skip
 
 
-def spec_shift_ref(
-    shift: tuple[torch.Tensor, ...],
-    accepted: torch.Tensor | None,
-    sampled: torch.Tensor,
-    seg_dev: torch.Tensor,
-    drafts: torch.Tensor,
-    ids: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    slots: torch.Tensor | None,
-    ctx: torch.Tensor | None,
-    tables: torch.Tensor | None,
-    block_size: int,
-    draft_next: torch.Tensor | None = None,
-) -> None:
+def spec_shift_ref(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | None,
+                   block_size: int, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
     """The same in torch ops (no host sync)."""
     tok, seq, j, row, num, logit = shift
+    accepted, sampled, seg_dev, drafts = prev
     a = accepted[seq] if accepted is not None else torch.zeros_like(seq)
     k = drafts.shape[1]
-    if ids is not None:
+    if inputs is not None:
+        ids, positions, slots, ctx, tables = inputs
         last = sampled[seg_dev[seq] + a]
         ids[tok] = torch.where(j == 0, last, drafts[seq, (j - 1).clamp(min=0)])
         pos = positions[tok] + a

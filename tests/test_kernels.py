@@ -480,10 +480,10 @@ def test_accept_drafts_per_segment():
     """Three sequences: 2 drafts both accepted, 3 drafts the first rejected, none; forced
     acceptance writes the accepted drafts into `sampled`."""
     sampled, draft_next = _long([5, 6, 7, 1, 2, 3, 4, 9]), _long([5, 6, -1, 8, 2, 3, -1, -1])
-    starts, seg_ids = _long([0, 3, 7]), _long([0, 0, 0, 1, 1, 1, 1, 2])
+    starts = _long([0, 3, 7])
     assert accept_drafts(sampled, draft_next, starts, 4).tolist() == [2, 0, 0]
-    assert accept_drafts_ref(sampled, draft_next, starts, seg_ids).tolist() == [2, 0, 0]
-    for fn, args in ((accept_drafts, (starts, 4)), (accept_drafts_ref, (starts, seg_ids))):
+    assert accept_drafts_ref(sampled, draft_next, starts).tolist() == [2, 0, 0]
+    for fn, args in ((accept_drafts, (starts, 4)), (accept_drafts_ref, (starts,))):
         forced = sampled.clone()
         assert fn(forced, draft_next, *args, force=1).tolist() == [1, 1, 0]
         assert forced.tolist() == [5, 6, 7, 8, 2, 3, 4, 9]
@@ -496,7 +496,6 @@ def test_accept_drafts_matches_ref(force):
     k, lengths = 3, torch.randint(1, 5, (37,), generator=g)
     rows = int(lengths.sum())
     starts = torch.cumsum(lengths, 0) - lengths
-    seg_ids = torch.repeat_interleave(torch.arange(37), lengths)
     sampled = torch.randint(0, 4, (rows,), generator=g)
     draft_next = torch.where(torch.rand(rows, generator=g) < 0.7, sampled,
                              torch.randint(0, 4, (rows,), generator=g))  # fmt: skip
@@ -504,7 +503,7 @@ def test_accept_drafts_matches_ref(force):
     out, ref = sampled.clone().to(DEVICE), sampled.clone().to(DEVICE)
     dn, st = draft_next.to(DEVICE), starts.to(DEVICE)
     acc = accept_drafts(out, dn, st, k + 1, force)
-    assert torch.equal(acc, accept_drafts_ref(ref, dn, st, seg_ids.to(DEVICE), force))
+    assert torch.equal(acc, accept_drafts_ref(ref, dn, st, force))
     assert torch.equal(out, ref)
     total = int(acc.sum())
     assert total < rows - 37  # some drafts rejected ...
@@ -537,11 +536,10 @@ def test_spec_shift_matches_ref(with_accepted, part):
     outs = []
     for fn in (spec_shift, spec_shift_ref):
         st = {name: v.clone().to(DEVICE) for name, v in state.items()}
-        inputs = [st[n] for n in ("ids", "positions", "slots", "ctx", "tables")]
-        if part == "drafts":
-            inputs = [None] * 5
-        fn(shift, accepted.to(DEVICE) if with_accepted else None, sampled.to(DEVICE),
-           seg_dev.to(DEVICE), drafts.to(DEVICE), *inputs, block_size,
+        inputs = tuple(st[n] for n in ("ids", "positions", "slots", "ctx", "tables"))
+        prev = (accepted.to(DEVICE) if with_accepted else None, sampled.to(DEVICE),
+                seg_dev.to(DEVICE), drafts.to(DEVICE))  # fmt: skip
+        fn(shift, prev, None if part == "drafts" else inputs, block_size,
            None if part == "inputs" else st["draft_next"])  # fmt: skip
         outs.append(st)
     for name in state:

@@ -119,8 +119,7 @@ def test_rejection_sampling_matches_the_target_distribution():
     rows = [SamplingRow(params, seed, [], [], step=j) for seed in range(N) for j in (0, 1)]
     sampled = sample(logits.repeat(2 * N, 1), SamplingTensors.build(rows, V, "cpu")).token_ids
     draft_next = torch.tensor([draft, -1]).repeat(N)
-    seg_ids = torch.arange(N).repeat_interleave(2)
-    acc = accept_drafts_ref(sampled, draft_next, torch.arange(0, 2 * N, 2), seg_ids)
+    acc = accept_drafts_ref(sampled, draft_next, torch.arange(0, 2 * N, 2))
     first = sampled[0::2]  # the emitted token: the accepted draft, or the replacement
     assert torch.equal(acc == 1, first == draft)
     p = torch.softmax(logits / 0.8, -1).double().numpy()

@@ -194,9 +194,9 @@ class ModelRunner:
         if x is not None and x.shift is not None:  # tokens of the MTP step in flight
             shift = spec_shift if self.device.type == "cuda" else spec_shift_ref
 
-            def fix(ids, positions, slots, ctx, tables, draft_next=x.draft_next):
-                shift(x.shift, prev.accepted, prev.sampled, prev.seg_dev, prev.drafts, ids,
-                      positions, slots, ctx, tables, self.block_size, draft_next)  # fmt: skip
+            def fix(*inputs, draft_next=x.draft_next):  # ids, positions, slots, ctx, tables
+                outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
+                shift(x.shift, outs, inputs, self.block_size, draft_next)
 
             # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
             # otherwise the eager forward or the eager MTP drafting reads these.
@@ -258,7 +258,7 @@ class ModelRunner:
                 rows_per_seq = self.config.num_speculative_tokens + 1
                 accepted = accept_drafts(sampled, x.draft_next, x.seg_starts, rows_per_seq, force)
             else:
-                accepted = accept_drafts_ref(sampled, x.draft_next, x.seg_starts, x.seg_ids, force)
+                accepted = accept_drafts_ref(sampled, x.draft_next, x.seg_starts, force)
         else:
             accepted = None
         last = self.graphs.last_sampled if self.graphs is not None else None

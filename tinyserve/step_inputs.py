@@ -58,7 +58,6 @@ class StepInputs:
     next_ids: torch.Tensor | None  # (T,) MTP only
     draft_next: torch.Tensor | None  # (R,) speculative steps only
     seg_starts: torch.Tensor | None  # (S,) speculative or MTP steps
-    seg_ids: torch.Tensor | None  # (R,) sampling sequence of each logits row; speculative
     kv_limits: torch.Tensor | None  # (S,) MTP only
     max_kv_limit: int
     sample_rows: torch.Tensor | None  # (S,) MTP only
@@ -110,7 +109,7 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> Host
         chunk = tokens[start:end]
         if mtp and chunk[0] == PLACEHOLDER:
             # The overlapped speculative loop: the last token and the drafts are the step
-            # in flight's, and so is how far they move (`_shift`, on the device).
+            # in flight's, and so is how far they move (kernels/spec_shift.py, on the device).
             assert end == seq.num_tokens + len(drafts), "a pending token in a prefill"
             first, logit = len(input_ids), len(logits_idx)
             for j in range(num):
@@ -156,13 +155,11 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> Host
 def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
     """Copy a step's host inputs to the device (one pinned, asynchronous copy)."""
     spec = h.spec
-    lengths = _lengths(h.seg_starts, len(h.logits_idx))
-    seg_ids = [s for s, n in enumerate(lengths) for _ in range(n)] if spec else []
     host = {
         "tables": h.tables, "cu_q": np.asarray(h.cu_q, dtype=np.int32),
         "ctx": np.asarray(h.ctx_lens, dtype=np.int32), "slots": h.slots, "ids": h.input_ids,
         "positions": h.positions, "idx": h.logits_idx, "next_ids": h.next_ids,
-        "draft_next": h.draft_next, "seg_starts": h.seg_starts, "seg_ids": seg_ids,
+        "draft_next": h.draft_next, "seg_starts": h.seg_starts,
         "limits": h.limits, "sample_rows": h.sample_rows, "dst": h.dst, "src": h.src,
         **{f"shift{i}": a for i, a in enumerate((h.shift_tok, h.shift_seq, h.shift_j,
                                                   h.shift_row, h.shift_num, h.shift_logit))},
@@ -187,14 +184,9 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         next_ids=d["next_ids"] if mtp else None,
         draft_next=d["draft_next"] if spec else None,
         seg_starts=d["seg_starts"] if spec or mtp else None,
-        seg_ids=d["seg_ids"] if spec else None,
         kv_limits=d["limits"] if mtp else None,
         max_kv_limit=max(h.limits, default=0),
         sample_rows=d["sample_rows"] if mtp else None,
         pending=(d["dst"], d["src"]) if h.dst else None,
         shift=tuple(d[f"shift{i}"] for i in range(6)) if h.shift_tok else None,
     )
-
-
-def _lengths(starts: list[int], total: int) -> list[int]:
-    return [b - a for a, b in zip(starts, starts[1:] + [total])]
