@@ -96,11 +96,14 @@ class BlockPool:
 
     # -- prefix caching -----------------------------------------------------------------------
 
+    def has_extra_keys(self, seq: Sequence) -> bool:
+        """False in the common case (no cache salt, no media, no MTP head): every block's extra
+        key is (), and commits and matches skip `block_extra` per block."""
+        return bool(seq.mm_spans or self.key_next_token or seq.cache_salt)
+
     def block_extra(self, seq: Sequence, i: int) -> tuple:
         """Extra key of block i: the cache salt (first block only: it isolates the whole
         subtree) and the content hashes of media spans overlapping the block."""
-        if not (seq.mm_spans or self.key_next_token or (i == 0 and seq.cache_salt)):
-            return ()  # the common case, per block on every commit and prefix match
         lo, hi = i * self.block_size, (i + 1) * self.block_size
         media = tuple(h for start, end, h in seq.mm_spans if start < hi and end > lo)
         nxt = (seq.token_ids[hi],) if self.key_next_token else ()
@@ -117,12 +120,16 @@ class BlockPool:
             return 0
         bs = self.block_size
         tokens = seq.token_ids[: seq.num_tokens - 1]
-        path = self.trie.match(tokens, lambda i: self.block_extra(seq, i))
+        extra_of = (lambda i: self.block_extra(seq, i)) if self.has_extra_keys(seq) else None
+        path = self.trie.match(tokens, extra_of)
         num = len(path)
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1
-        for block_id in path[:num]:
-            self._ref(block_id)
+        refs = self.ref_counts
+        for block_id in path[:num]:  # self._ref, inlined: up to a whole prompt of blocks
+            if refs[block_id] == 0:
+                self.trie.on_referenced(block_id)
+            refs[block_id] += 1
         seq.block_table = path[:num]
         seq.num_kv_computed = seq.kv_token_limit = num * bs
         seq.num_committed_blocks = num
@@ -137,10 +144,12 @@ class BlockPool:
         end = seq.num_kv_computed
         if self.key_next_token:  # keys hold the token after the block: known ones only
             end = min(end, len(seq.token_ids) - 1 - (seq.token_ids[-1] == PLACEHOLDER))
+        keyed = self.has_extra_keys(seq)
         for i in range(seq.num_committed_blocks, end // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             own = seq.block_table[i]
-            node = self.trie.insert(seq.trie_node, tokens, self.block_extra(seq, i), own)
+            extra = self.block_extra(seq, i) if keyed else ()
+            node = self.trie.insert(seq.trie_node, tokens, extra, own)
             if node != own:
                 # An equal block was committed first (same prefix computed concurrently): share
                 # it and drop our copy, so this sequence's cursor always stays referenced.

@@ -53,15 +53,26 @@ class PrefixTrie:
                 return child
         return None
 
-    def match(self, token_ids: list[int], extra_of: Callable[[int], tuple]) -> list[int]:
+    def match(self, token_ids: list[int], extra_of: Callable[[int], tuple] | None) -> list[int]:
         """Block ids of the longest chain of cached full blocks that prefixes `token_ids`;
-        `extra_of(i)` is block i's extra key (asked only up to the first miss)."""
+        `extra_of(i)` is block i's extra key (asked only up to the first miss; None: no block
+        has one). An admission matches a whole prompt (128 blocks for 2k tokens), so the
+        common case (one child under the hash, no extra key) is inlined."""
         bs, node, path = self.block_size, ROOT, []
+        children, nodes = self.children, self.nodes
         for i in range(len(token_ids) // bs):
-            key, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_of(i)
-            child = self._find(node, hash_key(key, extra), key, extra)
-            if child is None:
-                break
+            key = tuple(token_ids[i * bs : (i + 1) * bs])
+            extra = extra_of(i) if extra_of is not None else ()
+            key_hash = hash_key(key, extra)
+            child = children.get((node, key_hash))
+            if type(child) is int:
+                _, _, ids, ext = nodes[child]
+                if ids != key or ext != extra:  # verify, never trust a hash
+                    break
+            else:  # none, or a list after a hash collision
+                child = self._find(node, key_hash, key, extra)
+                if child is None:
+                    break
             path.append(child)
             node = child
         return path
@@ -74,13 +85,12 @@ class PrefixTrie:
         parent = ROOT if parent is None else parent
         key = tuple(token_ids)
         key_hash = hash_key(key, extra)
-        found = self._find(parent, key_hash, key, extra)
-        if found is not None:
+        slot = (parent, key_hash)
+        other = self.children.get(slot)
+        if other is not None and (found := self._find(parent, key_hash, key, extra)) is not None:
             return found
         assert block_id not in self.nodes, f"block {block_id} cached twice"
         self.nodes[block_id] = (parent, key_hash, key, extra)
-        slot = (parent, key_hash)
-        other = self.children.get(slot)
         if other is None:
             self.children[slot] = block_id
         elif isinstance(other, int):
@@ -102,7 +112,13 @@ class PrefixTrie:
 
     def evict(self) -> int:
         """Drop the least recently used unreferenced leaf; return its block id."""
-        block_id = next(b for b in self.evictable if not self.num_children.get(b))
+        # Least recently used first. A freed sequence's tail goes in first, so the first entry
+        # is almost always a leaf (a parent has an entry in num_children).
+        for block_id in self.evictable:
+            if block_id not in self.num_children:
+                break
+        else:
+            raise AssertionError("no evictable leaf")  # an unreferenced subtree has leaves
         del self.evictable[block_id]
         parent, key_hash, _, _ = self.nodes.pop(block_id)
         slot = (parent, key_hash)
