@@ -21,9 +21,10 @@ def run_bench(tmp_path, *args: str) -> dict:
 def test_pool_counts_host_cost_with_and_without_the_cache(tmp_path):
     res = run_bench(tmp_path, "pool")
     assert res["workload"] == "pool"
-    on, off = res["rows"]
+    on, off, hit = res["rows"]
     assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
     assert on["us_per_block"] > 0 and off["us_per_block"] > 0
+    assert hit["prefix_hit_us_per_matched_block"] > 0
 
 
 def test_spec_ngram_on_the_default_model_is_lossless(tmp_path):
