@@ -17,9 +17,11 @@ import triton.language as tl
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str, *values) -> None:
+    """Raise ValueError(msg) unless cond; `values` are appended to the message only then (a
+    launcher runs a dozen checks per launch, and formatting costs host time)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(" ".join([msg, *map(str, values)]))
 
 
 def is_interpreter() -> bool:

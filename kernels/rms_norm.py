@@ -42,8 +42,11 @@ def _rms_norm_kernel(
              mask=mask)  # fmt: skip
 
 
-def _as_3d(x: torch.Tensor) -> torch.Tensor:
-    return x.unsqueeze(1) if x.dim() == 2 else x
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """Strides of a (T, H, N) view of t without making the view (~1 us of host time each): a
+    2-D tensor is one head per row."""
+    s = t.stride()
+    return (s[0], s[1]) if len(s) == 3 else (s[0], 0)
 
 
 def rms_norm(
@@ -61,37 +64,37 @@ def rms_norm(
     also returns x + residual (in x's dtype). Pass residual_out=residual to update it in place.
     `block_m` rows share a program (short rows), spread over `num_warps`."""
     check(x.dim() in (2, 3), "x must be (M, N) or (T, H, N)")
-    n = x.shape[-1]
-    check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
+    shape, dtype, device = x.shape, x.dtype, x.device
+    n = shape[-1]
+    check(dtype in FLOAT_DTYPES, "unsupported dtype", dtype)
     check(weight.shape == (n,) and weight.is_contiguous(), "weight must be (N,) contiguous")
     check(x.stride(-1) == 1, "x needs a contiguous last dim")
     check(n <= 32768, "rows longer than 32768 are not supported")
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = dtype if weight.dtype == dtype else torch.promote_types(weight.dtype, dtype)
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    check(out.shape == x.shape and out.dtype == out_dtype and out.stride(-1) == 1, "bad out")
-    tensors = [x, weight, out]
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+    check(out.shape == shape and out.dtype == out_dtype and out.stride(-1) == 1, "bad out")
+    check(weight.device == device and out.device == device, "all inputs must be on one device")
+    r, ro = x, out  # the kernel's residual pointers, unused without one
     if residual is not None:
-        check(residual.shape == x.shape and residual.dtype == x.dtype, "residual != x shape/dtype")
+        check(residual.shape == shape and residual.dtype == dtype, "residual != x shape/dtype")
         if residual_out is None:
             residual_out = torch.empty_like(x)
-        check(residual_out.shape == x.shape and residual_out.dtype == x.dtype, "bad residual_out")
+        check(residual_out.shape == shape and residual_out.dtype == dtype, "bad residual_out")
         check(residual.stride(-1) == 1 and residual_out.stride(-1) == 1, "residual last dim")
-        tensors += [residual, residual_out]
-    check(len({t.device for t in tensors}) == 1, "all inputs must be on one device")
-    x3, o3 = _as_3d(x), _as_3d(out)
-    r3 = _as_3d(residual) if residual is not None else x3
-    ro3 = _as_3d(residual_out) if residual_out is not None else o3
-    num_rows = x3.shape[0] * x3.shape[1]
+        check(residual.device == device and residual_out.device == device,
+              "all inputs must be on one device")  # fmt: skip
+        r, ro = residual, residual_out
+    num_heads = shape[1] if len(shape) == 3 else 1
+    num_rows = shape[0] * num_heads
     block_n = next_pow2(n)
     block_m = block_m or 1  # several rows a program measured no faster on H100, even at N=1024
     if num_rows:
         _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
-            x3, r3, weight, o3, ro3, num_rows, x3.shape[1], n, eps,
-            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
+            x, r, weight, out, ro, num_rows, num_heads, n, eps,
+            *_rows(x), *_rows(r), *_rows(out), *_rows(ro),
             HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps or max(1, min(16, block_m * block_n // 256)), **pdl(x.device),
+            num_warps=num_warps or max(1, min(16, block_m * block_n // 256)), **pdl(device),
         )  # fmt: skip
     if residual is None:
         return out
