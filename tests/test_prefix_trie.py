@@ -117,6 +117,52 @@ def test_hash_collisions_never_share_kv(monkeypatch):
     assert s.num_cached_tokens == 4  # only the truly equal first block is shared
 
 
+def cache(pool: BlockPool, tokens) -> Sequence:
+    """Match, compute and commit a prompt, then release it (its blocks stay cached)."""
+    seq = make_seq(tokens)
+    pool.match_prefix(seq)
+    pool.may_append(seq, seq.num_tokens - seq.num_kv_computed)
+    seq.num_kv_computed = seq.num_tokens
+    pool.commit(seq)
+    pool.free_seq(seq)
+    return seq
+
+
+def cached_tokens_of(pool: BlockPool, path: list[int]) -> list[int]:
+    return [t for b in path for t in pool.trie.nodes[b][2]]
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_recalled_chains_are_verified(monkeypatch, collide):
+    """A match remembers its chain for the next prompt with the same first block; the chain is
+    used only while every block still holds those tokens: after its blocks are evicted and
+    reused for other prompts, a match walks the trie again (and with every hash equal, a
+    recalled chain of other tokens is never taken)."""
+    if collide:
+        monkeypatch.setattr(prefix_trie, "hash_key", lambda tokens, extra: 0)
+    pool = BlockPool(12, 4)
+    head = list(range(100, 132))  # 8 blocks
+    cache(pool, head + [1])
+    seq = make_seq(head + [2, 3])
+    assert pool.match_prefix(seq) == 32 and pool.trie.recent  # walked, then remembered
+    pool.free_seq(seq)
+    seq = make_seq(head + [4])
+    assert pool.match_prefix(seq) == 32  # recalled
+    assert cached_tokens_of(pool, seq.block_table) == head
+    pool.free_seq(seq)
+    other = list(range(500, 532))
+    cache(pool, other + [1])  # 9 blocks: evicts most of the head's chain, reusing its ids
+    seq = make_seq(head + [5])
+    matched = pool.match_prefix(seq)
+    assert cached_tokens_of(pool, seq.block_table) == head[:matched]
+    pool.free_seq(seq)
+    seq = make_seq(other[:4] + head[4:])  # the other prompt's first block, then the head's
+    matched = pool.match_prefix(seq)
+    assert cached_tokens_of(pool, seq.block_table) == seq.token_ids[:matched] and matched == 4
+    pool.free_seq(seq)
+    pool.check_invariants()
+
+
 def test_match_never_ends_inside_a_media_span():
     pool, sched, runner = setup()
     spans = [(2, 7, "img-1")]

@@ -37,6 +37,10 @@ class PrefixTrie:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        # Recent matched chains by their first block's key hash: (block ids, their node
+        # entries, the token ids they hold). Requests sharing a system prompt match the same
+        # long chain (128 blocks for 2k tokens): one list comparison replaces the walk.
+        self.recent: OrderedDict[int, tuple[list[int], list[tuple], list[int]]] = OrderedDict()
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.nodes
@@ -60,7 +64,11 @@ class PrefixTrie:
         common case (one child under the hash, no extra key) is inlined."""
         bs, node, path = self.block_size, ROOT, []
         children, nodes = self.children, self.nodes
-        for i in range(len(token_ids) // bs):
+        if extra_of is None and len(token_ids) >= 2 * bs:
+            path = self._recall(token_ids)
+            node = path[-1] if path else ROOT
+        recalled = len(path)
+        for i in range(recalled, len(token_ids) // bs):
             key = tuple(token_ids[i * bs : (i + 1) * bs])
             extra = extra_of(i) if extra_of is not None else ()
             key_hash = hash_key(key, extra)
@@ -75,7 +83,31 @@ class PrefixTrie:
                     break
             path.append(child)
             node = child
+        if extra_of is None and len(path) > max(recalled, 1):  # a longer chain than recalled
+            self._remember(token_ids, path)
         return path
+
+    def _recall(self, token_ids: list[int]) -> list[int]:
+        """The chain of a recent match that prefixes `token_ids`, if all of it is still cached
+        as it was (a block evicted, or reused for other tokens, fails the node comparison)."""
+        key_hash = hash_key(tuple(token_ids[: self.block_size]), ())
+        entry = self.recent.get(key_hash)
+        if entry is None:
+            return []
+        path, entries, tokens = entry
+        nodes = self.nodes
+        if token_ids[: len(tokens)] != tokens or [nodes.get(b) for b in path] != entries:
+            return []
+        self.recent.move_to_end(key_hash)
+        return path.copy()
+
+    def _remember(self, token_ids: list[int], path: list[int]) -> None:
+        key_hash = self.nodes[path[0]][1]
+        self.recent[key_hash] = (path.copy(), [self.nodes[b] for b in path],
+                                 token_ids[: len(path) * self.block_size])  # fmt: skip
+        self.recent.move_to_end(key_hash)
+        if len(self.recent) > 64:
+            self.recent.popitem(last=False)
 
     def insert(self, parent: int | None, token_ids: list[int], extra: tuple, block_id: int) -> int:
         """Add a committed block under `parent` (None = root); returns the block id that now
