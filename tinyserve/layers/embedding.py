@@ -9,6 +9,9 @@ from torch import nn
 
 from tinyserve.kernels.gemv import gemv, gemv_beats_cublas
 
+# torch.mm(..., out_dtype=torch.float32) on CUDA: torch 2.8 and later (pyproject allows 2.4).
+_MM_FLOAT_OUT = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -32,7 +35,7 @@ class LMHead(VocabEmbedding):
             if out is None:
                 out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
             return gemv(hidden, self.weight, out)
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+        if _MM_FLOAT_OUT and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32, out=out)
         if out is None:
             return F.linear(hidden, self.weight).float()
