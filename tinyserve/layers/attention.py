@@ -17,6 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.kernels.decode_attention import MAX_TILE_ROWS, decode_attention
+from tinyserve.kernels.prefill_attention import prefill_attention
+from tinyserve.kernels.rope_store_kv import rope_store_kv
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -186,10 +190,6 @@ class Attention(nn.Module):
         return prefill_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
 
     def _forward_triton(self, qkv, rope, q_norm, k_norm) -> torch.Tensor:
-        from tinyserve.kernels.decode_attention import MAX_TILE_ROWS, decode_attention
-        from tinyserve.kernels.prefill_attention import prefill_attention
-        from tinyserve.kernels.rope_store_kv import rope_store_kv
-
         md = _current_metadata()
         norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
         q = rope_store_kv(qkv, rope.positions, rope.cos_sin_cache, self.k_cache, self.v_cache,

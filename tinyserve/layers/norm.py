@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tinyserve.kernels.rms_norm import rms_norm
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
@@ -27,8 +29,6 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:  # one fused Triton pass (add + norm + scale) instead of ~6 torch ops
-            from tinyserve.kernels.rms_norm import rms_norm
-
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyserve.kernels.rotary import rotary_embedding
+
 
 def compute_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
@@ -136,8 +138,6 @@ class BoundRotary:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.positions.is_cuda:
-            from tinyserve.kernels.rotary import rotary_embedding
-
             return rotary_embedding(self.positions, q, k, self.cos_sin_cache)
         if self._cos_sin is None:
             self._cos_sin = self.cos_sin_cache[self.positions].chunk(2, dim=-1)
