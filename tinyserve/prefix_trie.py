@@ -7,6 +7,11 @@ through a hash of the key, but a hit is always verified on the key itself (token
 so a hash collision can never share KV. The trie holds no references: a node whose block no
 sequence references is evictable, and only leaves are evicted, least recently used first.
 
+A match walks the chain block by block, except where a recent match had the same first block:
+its chain is taken after one comparison of the token lists and a check that each of its nodes
+is still the one recorded (an evicted or reused block fails it). Requests sharing a system
+prompt are admitted at a fraction of the walk's host time.
+
 The trie is flat maps from ints to ints and tuples, not one object per node: a cache of
 hundreds of thousands of blocks would otherwise be that many container objects for Python's
 cyclic GC to walk (measured: 10x the GC time of a cache-off run). No tensors here.
@@ -18,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 ROOT = -1
+RECALL_CHAINS, RECALL_BLOCKS = 64, 512  # remembered chains, and blocks of each (see _remember)
 
 
 def hash_key(token_ids: tuple[int, ...], extra: tuple) -> int:
@@ -38,8 +44,7 @@ class PrefixTrie:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         # Recent matched chains by their first block's key hash: (block ids, their node
-        # entries, the token ids they hold). Requests sharing a system prompt match the same
-        # long chain (128 blocks for 2k tokens): one list comparison replaces the walk.
+        # entries, the token ids they hold).
         self.recent: OrderedDict[int, tuple[list[int], list[tuple], list[int]]] = OrderedDict()
 
     def __contains__(self, block_id: int) -> bool:
@@ -102,11 +107,14 @@ class PrefixTrie:
         return path.copy()
 
     def _remember(self, token_ids: list[int], path: list[int]) -> None:
+        """Keep the chain's first RECALL_BLOCKS blocks (a 100k-token prompt's whole chain would
+        hold its token list here), for the RECALL_CHAINS most recent first blocks."""
+        path = path[:RECALL_BLOCKS]
         key_hash = self.nodes[path[0]][1]
-        self.recent[key_hash] = (path.copy(), [self.nodes[b] for b in path],
+        self.recent[key_hash] = (path, [self.nodes[b] for b in path],
                                  token_ids[: len(path) * self.block_size])  # fmt: skip
         self.recent.move_to_end(key_hash)
-        if len(self.recent) > 64:
+        if len(self.recent) > RECALL_CHAINS:
             self.recent.popitem(last=False)
 
     def insert(self, parent: int | None, token_ids: list[int], extra: tuple, block_id: int) -> int:
