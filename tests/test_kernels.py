@@ -639,6 +639,8 @@ def test_sampler_on_gpu_draws_the_cpu_samplers_tokens(monkeypatch):
 
 
 def test_launchers_reject_bad_inputs():
+    with pytest.raises(ValueError, match=r"unsupported dtype torch\.float64"):  # value appended
+        rms_norm(randn(2, 8).double(), randn(8).double(), 1e-6)
     q = randn(2, 4, 64)
     k_cache, v_cache, table, lens = paged_cache(2, [3, 5], 2, 64, 16, F32)
     with pytest.raises(ValueError, match="int32"):

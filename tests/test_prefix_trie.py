@@ -163,6 +163,20 @@ def test_recalled_chains_are_verified(monkeypatch, collide):
     pool.check_invariants()
 
 
+def test_recalled_chains_are_capped(monkeypatch):
+    """A remembered chain keeps RECALL_BLOCKS blocks (memory); a match past them walks on."""
+    monkeypatch.setattr(prefix_trie, "RECALL_BLOCKS", 2)
+    pool = BlockPool(32, 4)
+    head = list(range(100, 124))  # 6 blocks
+    cache(pool, head + [1])
+    for tail in ([2], [3]):  # the first walks and remembers, the second recalls, then walks
+        seq = make_seq(head + tail)
+        assert pool.match_prefix(seq) == 24
+        assert cached_tokens_of(pool, seq.block_table) == head
+        assert [len(path) for path, _, _ in pool.trie.recent.values()] == [2]
+        pool.free_seq(seq)
+
+
 def test_match_never_ends_inside_a_media_span():
     pool, sched, runner = setup()
     spans = [(2, 7, "img-1")]

@@ -47,10 +47,12 @@ class BlockPool:
             self.ref_counts[i] = 1
         return ids
 
-    def _ref(self, block_id: int) -> None:
-        if self.ref_counts[block_id] == 0:
-            self.trie.on_referenced(block_id)
-        self.ref_counts[block_id] += 1
+    def _ref(self, block_ids: list[int]) -> None:
+        refs = self.ref_counts
+        for i in block_ids:  # a prefix hit's whole chain: 128 blocks for 2k tokens
+            if refs[i] == 0:
+                self.trie.on_referenced(i)
+            refs[i] += 1
 
     def free(self, block_ids: list[int]) -> None:
         # Tail blocks first: the deepest (least shareable) cached blocks are evicted first.
@@ -125,12 +127,8 @@ class BlockPool:
         num = len(path)
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1
-        refs = self.ref_counts
-        for block_id in path[:num]:  # self._ref, inlined: up to a whole prompt of blocks
-            if refs[block_id] == 0:
-                self.trie.on_referenced(block_id)
-            refs[block_id] += 1
         seq.block_table = path[:num]
+        self._ref(seq.block_table)
         seq.num_kv_computed = seq.kv_token_limit = num * bs
         seq.num_committed_blocks = num
         seq.trie_node = path[num - 1] if num else None
@@ -153,7 +151,7 @@ class BlockPool:
             if node != own:
                 # An equal block was committed first (same prefix computed concurrently): share
                 # it and drop our copy, so this sequence's cursor always stays referenced.
-                self._ref(node)
+                self._ref([node])
                 self.free([own])
                 seq.block_table[i] = node
             seq.trie_node = node
