@@ -285,19 +285,19 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
 def test_verify_steps_take_the_split_k_decode_kernel(tmp_path, monkeypatch):
     """Eager MTP verify steps (k = 3) attend through decode_attention with query_len 4 (split-K
     over the context), not the prefill kernel; their greedy tokens are speculation-off's."""
-    from tinyserve.kernels import decode_attention as kernel
+    from tinyserve.layers import attention as layer
 
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=4096)  # fmt: skip
     query_lens = []
-    real = kernel.decode_attention
+    real = layer.decode_attention
 
     def spy(*args, query_len=1, **kwargs):
         query_lens.append(query_len)
         return real(*args, query_len=query_len, **kwargs)
 
-    monkeypatch.setattr(kernel, "decode_attention", spy)
+    monkeypatch.setattr(layer, "decode_attention", spy)  # the name the layer calls
     prompt = [(7 * j) % 900 + 100 for j in range(300)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []
