@@ -944,8 +944,14 @@ def bench_spec(args) -> dict:
     rng = random.Random(0)
     new = args.new_tokens
     plain = {}
-    for k in [None, *args.spec_k]:
+    runs = [(None, 0)] + [(k, v) for k in args.spec_k for v in args.draft_vocab]
+    for k, draft_vocab in runs:
         spec = dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}
+        if draft_vocab:  # dummy weights: which ids make no difference to the cost
+            spec["speculative_token_map"] = token_map = os.path.join(args.out, "token_map.json")
+            os.makedirs(args.out, exist_ok=True)
+            with open(token_map, "w") as f:
+                json.dump(list(range(draft_vocab)), f)
         llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=max(args.batches), **spec)
         for b in args.batches:
             n_in = args.prompt_len
@@ -961,7 +967,7 @@ def bench_spec(args) -> dict:
                 dt, n_out = _run_offline(llm, prompts, [new] * b, temp)
                 steps = -(-new // (f + 1)) if k else new
                 r = {"batch": b, "prompt_len": n_in, "k": k or 0, "forced_accept": f,
-                     "temperature": temp,
+                     "draft_vocab": draft_vocab or vocab, "temperature": temp,
                      "out_tok_per_s": n_out / dt,
                      "step_ms": dt / steps * 1e3}  # fmt: skip
                 if not k:
@@ -1155,6 +1161,9 @@ def main() -> None:
         default=["latency", "hf64", "nano-vllm", "decode-heavy", "prefill-heavy"],
         help="e2e: which rows",
     )
+    p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                   help="spec (MTP): draft from a token map of this many ids (0: the whole "
+                        "vocabulary); each value is a run")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0,
                    help="spec: sampling temperature (0: greedy; seeded)")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs")

@@ -248,21 +248,28 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_on
     assert outs[0] == outs[1]
 
 
-def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
+@pytest.mark.parametrize("token_map", [False, True])
+def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path, token_map):
     """The drafting graph replayed after a verify graph proposes what the eager MTP pass does
     (fp32; a split-count difference in the chained attention may flip a rare near-tie). The
     verify graphs take the split count of the context (12 to ~80 keys: 1 and 2), and the one
-    drafting graph of a size reads the hidden states of whichever ran."""
+    drafting graph of a size reads the hidden states of whichever ran. With a token map, the
+    graphs draft its ids only."""
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=4096)  # fmt: skip
+    spec = {}
+    if token_map:
+        hot = list(range(151_679, 0, -5))
+        (tmp_path / "map.json").write_text(json.dumps(hot))
+        spec["speculative_token_map"] = str(tmp_path / "map.json")
     prompts = [[(13 * i + 5 * j) % 900 + 100 for j in range(12 + 5 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     seen = []
     for eager in (False, True):  # the synchronous loop: the host holds the drafts
         llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=8,
                   num_kv_blocks=2048, speculative_method="mtp", num_speculative_tokens=3,
-                  enforce_eager=eager, async_scheduling=False)  # fmt: skip
+                  enforce_eager=eager, async_scheduling=False, **spec)  # fmt: skip
         engine, drafts = llm.engine, []
         splits = set() if eager else spy_split_counts(engine.runner.verify_graphs)
         for i, p in enumerate(prompts):
@@ -280,6 +287,9 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path):
     assert len(seen[0]) == len(seen[1])
     same = sum(a == b for a, b in zip(*seen))
     assert same >= 0.9 * len(seen[0]), (same, len(seen[0]))
+    if token_map:
+        ids = {t for step in seen[0] + seen[1] for _, d in step for t in d}
+        assert len(ids) > 5 and ids <= set(hot)
 
 
 def test_verify_steps_take_the_split_k_decode_kernel(tmp_path, monkeypatch):

@@ -406,10 +406,11 @@ def test_abort_and_stop_while_an_mtp_step_is_in_flight(mimo_dir, reference):
 # -- MTP drafts are exact -------------------------------------------------------------------------
 
 
-def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
+def reference_drafts(model, tokens: list[int], k: int, allowed: list[int] | None = None
+                     ) -> list[int]:  # fmt: skip
     """MTP drafts for a sequence computed from scratch with plain causal attention (no paged KV):
     entry i pairs the target hidden h_i with token t_{i+1}; a chained entry pairs the previous
-    entry's output with the draft it produced."""
+    entry's output with the draft it produced. `allowed`: the argmax over those ids only."""
     mtp = model.mtp
     with torch.inference_mode(), forward_context(None):
         attn = [m for m in model.modules() if hasattr(m, "k_cache")]
@@ -425,7 +426,11 @@ def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
             ts, drafts = tokens[1:], []
             for _ in range(k):
                 out = mtp(torch.tensor(ts), hidden, torch.arange(len(ts)), target_hidden=False)
-                drafts.append(int(mtp.compute_logits(out[-1:]).argmax(-1)))
+                logits = mtp.compute_logits(out[-1:])[0]
+                if allowed is None:
+                    drafts.append(int(logits.argmax()))
+                else:
+                    drafts.append(allowed[int(logits[allowed].argmax())])
                 ts.append(drafts[-1])
                 hidden = torch.cat([hidden, out[-1:]])
             return drafts
@@ -457,6 +462,67 @@ def test_mtp_drafts_equal_a_from_scratch_computation(mimo_dir, k, caching, budge
     assert checked > 20
     if caching:
         assert engine.pool.trie.num_hit_tokens > 0
+
+
+# -- a draft token map ----------------------------------------------------------------------------
+
+
+def write_map(tmp_path, ids, name: str = "map.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(ids))
+    return str(path)
+
+
+def test_token_map_drafts_only_its_ids_and_stays_lossless(mimo_dir, reference, tmp_path):
+    """With a token map the MTP head drafts the argmax over the map's ids (a third of the
+    vocabulary here, listed in reverse, so a wrong index-to-id mapping shows); verification
+    is unchanged, so outputs equal speculation off."""
+    hot = list(range(VOCAB - 1, -1, -3))
+    token_map = write_map(tmp_path, hot)
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=2,
+                   speculative_token_map=token_map)  # fmt: skip
+    assert run(llm, prompts()) == reference
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
+                   speculative_token_map=token_map, async_scheduling=False)  # fmt: skip
+    engine = llm.engine
+    for i, p in enumerate(prompts(3)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    drafted = []
+    while engine.has_unfinished():
+        engine.step()
+        for s in engine.scheduler.running:
+            if s.draft_ids:
+                want = reference_drafts(engine.runner.model, s.token_ids, 3, allowed=hot)
+                assert s.draft_ids == want[: len(s.draft_ids)]
+                drafted += s.draft_ids
+    assert len(drafted) > 10 and set(drafted) <= set(hot)
+
+
+def test_token_map_errors(mimo_dir, tmp_path):
+    from tinyserve.spec_decode import load_token_map
+
+    with pytest.raises(InvalidConfig, match="speculative_token_map: applies to .*mtp"):
+        LLM(None, speculative_method="ngram", num_speculative_tokens=2,
+            speculative_token_map=write_map(tmp_path, [1]))  # fmt: skip
+    bad = {"missing.json": None, "text.json": "not json", "dict.json": {"ids": [1]},
+           "empty.json": [], "range.json": [1, VOCAB], "negative.json": [-1], "bool.json": [True],
+           "float.json": [1.5], "twice.json": [3, 4, 3]}  # fmt: skip
+    for name, content in bad.items():
+        if content is not None:
+            (tmp_path / name).write_text(content if isinstance(content, str) else
+                                         json.dumps(content))  # fmt: skip
+        with pytest.raises(InvalidConfig, match="speculative_token_map") as e:
+            load_token_map(str(tmp_path / name), VOCAB)
+        assert name in str(e.value)
+    torch.save(torch.tensor([5, 2]), tmp_path / "sglang.pt")  # never unpickled: a pickle runs code
+    with pytest.raises(InvalidConfig, match="pickled tensor is not loaded.*JSON list"):
+        load_token_map(str(tmp_path / "sglang.pt"), VOCAB)
+    assert load_token_map(write_map(tmp_path, [5, 2], "ok.json"), VOCAB).tolist() == [5, 2]
+    with pytest.raises(InvalidConfig, match="not a token id"):  # checked before any weights load
+        make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=1,
+                 speculative_token_map=write_map(tmp_path, [VOCAB + 5]))  # fmt: skip
 
 
 # -- the real model ------------------------------------------------------------------------------

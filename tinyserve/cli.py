@@ -49,6 +49,9 @@ def engine_options(f):
                      help="Speculative decoding: the checkpoint's MTP head, or prompt lookup."),
         click.option("--num-speculative-tokens", type=int, default=None,
                      help="Drafts per step (k); required with --speculative-method."),
+        click.option("--speculative-token-map", default=None,
+                     help="MTP: draft only the token ids in this JSON list (FR-Spec / "
+                          "SGLang's token map); cuts the draft's LM-head reads."),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)
@@ -58,7 +61,7 @@ def engine_options(f):
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
     "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager "
-    "async_scheduling speculative_method num_speculative_tokens"
+    "async_scheduling speculative_method num_speculative_tokens speculative_token_map"
 ).split()
 
 

@@ -215,6 +215,8 @@ class EngineConfig:
     async_scheduling: bool = True
     speculative_method: str | None = None  # None (off), "mtp" or "ngram"
     num_speculative_tokens: int | None = None  # k drafts per step; required with a method
+    # MTP only: a file of the token ids the head drafts from (spec_decode.load_token_map).
+    speculative_token_map: str | None = None
     # Benchmark-only: accept exactly this many drafts per step whatever the target says (outputs
     # are then NOT the model's). Shows the mechanism's ceiling at a fixed acceptance.
     spec_force_accept: int | None = None
@@ -250,6 +252,8 @@ class EngineConfig:
             if self.num_speculative_tokens is None:
                 raise InvalidConfig("num_speculative_tokens", "is required with speculative_method")
             _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative_token_map is not None and self.speculative_method != "mtp":
+            raise InvalidConfig("speculative_token_map", "applies to speculative_method 'mtp'")
         if self.spec_force_accept is not None:
             if self.speculative_method is None:
                 raise InvalidConfig("spec_force_accept", "needs a speculative_method")

@@ -21,6 +21,7 @@ from tinyserve.loader import load_model
 from tinyserve.pending import PendingStep, to_host
 from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
 from tinyserve.scheduler import ScheduledBatch
+from tinyserve.spec_decode import load_token_map
 from tinyserve.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
 from tinyserve.transfer import to_device
 
@@ -55,9 +56,14 @@ class ModelRunner:
             # returned, and the new KV cache does not fit (seen on the H100).
             gc.collect()
             torch.cuda.empty_cache()
+        token_map = None
+        if config.speculative_token_map is not None:  # read and checked before the weights load
+            token_map = load_token_map(config.speculative_token_map, model_config.vocab_size)
         self.model = load_model(model_config, dtype, self.device, config.load_format, config.seed,
                                 with_mtp=config.speculative_method == "mtp")  # fmt: skip
         self.mtp = self.model.mtp
+        if token_map is not None:  # before the KV pool is sized: its rows take memory
+            self.mtp.restrict_drafts(token_map)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
         mc = model_config
@@ -319,7 +325,7 @@ class ModelRunner:
         tensors only, no host reads: the verify graph captures this too."""
         out = self._mtp_first_pass(md, positions, hidden, next_ids)
         h = out[chosen]
-        token = self.mtp.compute_logits(h).argmax(-1)
+        token = self.mtp.draft(h)
         drafts = [token]
         bs, num = self.block_size, chosen.shape[0]
         pos = positions[chosen]
@@ -344,7 +350,7 @@ class ModelRunner:
             )
             with forward_context(chain):
                 h = self.mtp(token, h, pos.clamp(max=max_pos), target_hidden=False)
-            token = self.mtp.compute_logits(h).argmax(-1)
+            token = self.mtp.draft(h)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 

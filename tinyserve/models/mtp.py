@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig, UnsupportedModel
+from tinyserve.layers.embedding import LMHead
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.models.llama import LlamaDecoderLayer
@@ -131,6 +132,8 @@ class MTPHead(nn.Module):
         # Plain attributes (not submodules): the weights belong to the target.
         self.__dict__["target"] = target
         self.layout = LAYOUTS["mimo"]  # the loader sets the checkpoint's
+        self.draft_head: LMHead | None = None  # restrict_drafts
+        self.draft_ids: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 target_hidden: bool) -> torch.Tensor:  # fmt: skip
@@ -152,3 +155,19 @@ class MTPHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(hidden)
+
+    def restrict_drafts(self, token_ids: torch.Tensor) -> None:
+        """Draft only from `token_ids` (a token map): a head holding just those rows of the
+        target's LM head (a copy: the rows are gathered once, not per step)."""
+        weight = self.target.lm_head.weight
+        self.draft_ids = token_ids.to(weight.device)
+        with torch.device("meta"):  # no throwaway allocation; the weight is set next
+            self.draft_head = LMHead(len(token_ids), weight.shape[1])
+        self.draft_head.weight = nn.Parameter(weight[self.draft_ids], requires_grad=False)
+
+    def draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, H) normed MTP outputs -> (N,) greedy drafts (the verification rule needs a
+        deterministic draft, spec_decode.py)."""
+        if self.draft_head is None:
+            return self.compute_logits(hidden).argmax(-1)
+        return self.draft_ids[self.draft_head(hidden).argmax(-1)]
