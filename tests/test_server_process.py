@@ -153,3 +153,17 @@ def test_run_help_lists_every_flag():
     ).split()
     assert [f for f in flags if f not in out] == []
     assert os.environ.get("TINYSERVE_API_KEY") is None or "TINYSERVE_API_KEY" in out
+
+
+def test_every_engine_setting_is_a_flag():
+    """Each EngineConfig field (but the benchmark-only switch) is a `run` flag and reaches the
+    engine by name."""
+    from dataclasses import fields
+
+    from tinyserve.cli import ENGINE_KEYS
+    from tinyserve.config import EngineConfig
+
+    settings = {f.name for f in fields(EngineConfig)} - {"spec_force_accept"}
+    assert settings == set(ENGINE_KEYS)
+    out = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    assert [k for k in ENGINE_KEYS if "--" + k.replace("_", "-") not in out] == []
