@@ -500,6 +500,17 @@ def test_token_map_drafts_only_its_ids_and_stays_lossless(mimo_dir, reference, t
     assert len(drafted) > 10 and set(drafted) <= set(hot)
 
 
+def test_token_map_with_chunks_and_preemption_is_lossless(mimo_dir, reference, tmp_path):
+    """A map changes only which drafts the head proposes: chunked prefill (budget 16), KV
+    pressure (preemption) and the prefix cache keep speculation-off's tokens."""
+    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
+                   speculative_token_map=write_map(tmp_path, list(range(0, VOCAB, 2))),
+                   max_num_batched_tokens=16, num_kv_blocks=24)  # fmt: skip
+    assert run(llm, prompts()) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+
+
 def test_token_map_errors(mimo_dir, tmp_path):
     from tinyserve.spec_decode import load_token_map
 
