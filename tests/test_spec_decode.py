@@ -581,3 +581,50 @@ def test_ngram_on_smollm2_is_lossless_and_served_with_metrics(smollm2_path, smol
     accepted = families["tinyserve:spec_decode_num_accepted_tokens"].samples[0].value
     assert drafted >= accepted > 0
     assert families["tinyserve:spec_decode_mean_accepted_length"].samples[0].value > 1
+
+
+# -- building a token map ---------------------------------------------------------------------
+
+
+def word_tokenizer_dir(tmp_path):
+    """A word-level tokenizer: <eos> 0 (special), then a..e."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<eos>", "<unk>", "a", "b", "c", "d", "e"])}
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return tmp_path
+
+
+def test_build_token_map_takes_specials_the_most_frequent_then_the_lowest_ids(tmp_path):
+    from tinyserve.spec_decode import build_token_map
+    from tinyserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(word_tokenizer_dir(tmp_path))
+    lines = ["c c c b\n", "d b e\n", "c\n"]  # c 4, b 2, d 1, e 1 (tie: the lower id first)
+    assert build_token_map(tok, lines, 4) == [0, 4, 3, 5]
+    # the text used 5 ids: the lowest unused ones fill up, to the vocabulary's 7 at most
+    assert build_token_map(tok, lines, 99, batch=2) == [0, 4, 3, 5, 6, 1, 2]
+    assert build_token_map(tok, lines, 1) == [0]
+    assert build_token_map(tok, [], 3) == [0, 1, 2]  # no text: the lowest ids
+
+
+def test_token_map_command_writes_a_map_the_engine_reads(tmp_path):
+    from click.testing import CliRunner
+
+    from tinyserve.cli import main
+    from tinyserve.spec_decode import load_token_map
+
+    model = word_tokenizer_dir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("a b a\nb a e\n")
+    out = tmp_path / "map.json"
+    args = ["token-map", "--model", str(model), "--size", "3", "--out", str(out),
+            str(tmp_path / "corpus.txt")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert load_token_map(str(out), 7).tolist() == [0, 2, 3]
+    bad = CliRunner().invoke(main, ["token-map", "--model", str(tmp_path / "none"), str(out)])
+    assert bad.exit_code != 0 and "cannot load the tokenizer" in bad.output

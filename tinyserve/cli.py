@@ -1,9 +1,11 @@
-"""`tinyserve` command line: generate (stream one completion to stdout) and convert (GGUF -> HF)."""
+"""`tinyserve` command line: run (the OpenAI-compatible server), generate (stream one completion
+to stdout), token-map (a draft token map from text) and convert (GGUF -> HF)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
+import json
 import sys
 
 import click
@@ -210,6 +212,42 @@ def _load_engine(config):
                 concurrent.futures.wait([future], timeout=0.2)
                 bar.refresh()
     return future.result()
+
+
+@main.command("token-map")
+@click.option("--model", default=None, help="HF directory whose tokenizer counts (default: the "
+              "default model).")  # fmt: skip
+@click.option("--size", type=click.IntRange(min=1), default=32768, show_default=True,
+              help="Ids in the map: the special ones, then the most frequent.")  # fmt: skip
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), default="-",
+              show_default=True, help="Where the JSON list goes (-: stdout).")  # fmt: skip
+@click.argument("corpus", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+def token_map(model: str | None, size: int, out: str, corpus: tuple[str, ...]) -> None:
+    """Write a draft token map for --speculative-token-map: SIZE token ids, the special ones,
+    then the most frequent of the CORPUS text files (UTF-8; text like the served traffic), then
+    the lowest ids (a BPE vocabulary's most frequent merges)."""
+    from tinyserve.spec_decode import build_token_map
+    from tinyserve.tokenizer import Tokenizer
+
+    if model is None:
+        from tinyserve.gguf import default_model_path
+
+        model = default_model_path()
+    try:
+        tokenizer = Tokenizer.from_pretrained(model)
+    except Exception as e:  # tokenizers raises a bare Exception for a missing or bad file
+        raise click.ClickException(f"cannot load the tokenizer of {model}: {e}") from e
+
+    def lines():
+        for path in corpus:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield from f
+
+    ids = build_token_map(tokenizer, lines(), size)
+    with click.open_file(out, "w") as f:
+        json.dump(ids, f)
+        f.write("\n")
+    click.echo(f"{len(ids)} token ids -> {out}", err=True)
 
 
 @main.command()

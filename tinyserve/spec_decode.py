@@ -18,6 +18,8 @@ Both proposers here draft deterministically (argmax / lookup), which is what thi
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +95,32 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     if len(set(ids)) != len(ids):
         raise InvalidConfig(name, f"{path} lists a token id twice")
     return torch.tensor(ids, dtype=torch.long)
+
+
+def build_token_map(tokenizer, lines: Iterable[str], size: int, batch: int = 4096) -> list[int]:
+    """A token map of `size` ids (at most the vocabulary): the tokenizer's special ids (an
+    end-of-text draft must stay possible), then the most frequent ids of `lines` (FR-Spec's
+    recipe; ties: the lower id), then the lowest ids not yet taken. A BPE vocabulary numbers
+    its merges in the order training found them, most frequent first, so low ids are the prior
+    where the text is too small to count: on SmolLM2's answers to 16 held-out prompts, the
+    lowest 8,192 / 32,768 ids covered 88% / 98% of the tokens, where the 8,192 most frequent
+    of 1 MB of package descriptions covered 79% (BENCHMARKS.md, eleventh session)."""
+    counts: Counter[int] = Counter()
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) == batch:
+            counts.update(_ids(tokenizer, chunk))
+            chunk = []
+    counts.update(_ids(tokenizer, chunk))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    ids = dict.fromkeys(tokenizer.all_special_ids)
+    ids.update(dict.fromkeys(i for i, _ in ranked))
+    ids.update(dict.fromkeys(range(min(size, tokenizer.vocab_size))))  # enough to fill up
+    return list(ids)[: min(size, tokenizer.vocab_size)]
+
+
+def _ids(tokenizer, texts: list[str]) -> Iterable[int]:
+    # encode_batch tokenizes the lines in parallel (Rust threads)
+    for encoding in tokenizer.backend.encode_batch(texts, add_special_tokens=False):
+        yield from encoding.ids
