@@ -218,7 +218,7 @@ def _load_engine(config):
 @click.option("--model", default=None, help="HF directory whose tokenizer counts (default: the "
               "default model).")  # fmt: skip
 @click.option("--size", type=click.IntRange(min=1), default=32768, show_default=True,
-              help="Ids in the map: the special ones, then the most frequent.")  # fmt: skip
+              help="How many ids the map holds (at most the vocabulary).")  # fmt: skip
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default="-",
               show_default=True, help="Where the JSON list goes (-: stdout).")  # fmt: skip
 @click.argument("corpus", nargs=-1, type=click.Path(exists=True, dir_okay=False))
