@@ -41,3 +41,33 @@ def test_unknown_workload_is_refused():
     out = subprocess.run([sys.executable, "bench.py", "nope"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_steady_step_time_leaves_out_the_prefill():
+    """bench.py spec's steady_step_ms: the mean of the steps after every prompt's first token
+    (a 100 ms prefill step, then 5 ms steps, gives ~5 ms, not the whole run per step)."""
+    import time
+    from types import SimpleNamespace
+
+    sys.path.insert(0, ROOT)
+    import bench
+
+    class Engine:
+        def __init__(self) -> None:
+            self.ids, self.left = [], 6
+
+        def add_request(self, rid, prompt, params) -> None:
+            self.ids.append(rid)
+
+        def has_unfinished(self) -> bool:
+            return self.left > 0
+
+        def step(self):
+            first = self.left == 6
+            time.sleep(0.1 if first else 0.005)
+            self.left -= 1
+            out = SimpleNamespace(token_ids=[1])
+            return [SimpleNamespace(request_id=r, outputs=[out]) for r in self.ids]
+
+    ms = bench._steady_step_ms(SimpleNamespace(engine=Engine()), [[1], [2]], 6)
+    assert 4.5 < ms < 12, ms  # 5 steps of ~5 ms; with the prefill step it would be ~21 ms

@@ -110,17 +110,11 @@ def build_token_map(tokenizer, lines: Iterable[str], size: int, batch: int = 409
     for line in lines:
         chunk.append(line)
         if len(chunk) == batch:
-            counts.update(_ids(tokenizer, chunk))
+            counts.update(i for ids in tokenizer.encode_batch(chunk) for i in ids)
             chunk = []
-    counts.update(_ids(tokenizer, chunk))
+    counts.update(i for ids in tokenizer.encode_batch(chunk) for i in ids)
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     ids = dict.fromkeys(tokenizer.all_special_ids)
     ids.update(dict.fromkeys(i for i, _ in ranked))
     ids.update(dict.fromkeys(range(min(size, tokenizer.vocab_size))))  # enough to fill up
     return list(ids)[: min(size, tokenizer.vocab_size)]
-
-
-def _ids(tokenizer, texts: list[str]) -> Iterable[int]:
-    # encode_batch tokenizes the lines in parallel (Rust threads)
-    for encoding in tokenizer.backend.encode_batch(texts, add_special_tokens=False):
-        yield from encoding.ids

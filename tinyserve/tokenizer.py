@@ -81,12 +81,16 @@ class Tokenizer:
         # executor thread does not stall the event loop.
         if not self.has_special_flags:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self.encode_batch([text])[0]
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
         return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added (tokenized in parallel threads)."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
