@@ -37,7 +37,24 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 4 for the CPU interpreter (keeps grids tiny)."""
     if device.type != "cuda":
         return 4
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(_index(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may opt into (227 KB on an H100); the interpreter has
+    no limit, so it gets an H100's."""
+    if device.type != "cuda":
+        return 232448
+    return _cuda_shared_memory(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def next_pow2(n: int) -> int:

@@ -1,10 +1,10 @@
-"""Skinny matmul for decode batches of 1-16 rows: y (M, N) = x (M, K) @ W (N, K)^T, W as nn.Linear.
+"""Skinny matmul for decode batches: y (M, N) = x (M, K) @ W (N, K)^T, W as nn.Linear.
 
 Both variants stream W once, coalesced, with float32 accumulation: "stream" gives each program
-BLOCK_N rows of W and multiplies on the CUDA cores (the M = 1 default); "dot" runs a BLOCK_N x
-BLOCK_K tile of W against x padded to 16 rows on the tensor cores (the M >= 2 default). On an
-H100 only some shapes beat cuBLAS, see `gemv_beats_cublas`. Split-K was measured and dropped:
-it lost 5-45% at every Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
+BLOCK_N rows of W and multiplies on the CUDA cores (one or two rows of x); "dot" runs a
+BLOCK_N x BLOCK_K tile of W against x padded to 16-64 rows on the tensor cores, with a deep
+pipeline. `gemv_method` says which one (or cuBLAS) a shape takes. Split-K was measured and
+dropped: it lost 5-45% at every Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from ._common import (
     num_sms,
     pdl,
     pdl_sync,
+    shared_memory,
 )
 
-MAX_ROWS = 16
+MAX_ROWS = 32  # the dot kernel's: at 48-64 rows it lost up to 25% to cuBLAS (H100)
+MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
 
 
 @triton.jit
@@ -96,17 +98,17 @@ def _gemv_stream_kernel(
 
 @triton.jit
 def _gemv_dot_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)
-    m = tl.arange(0, 16)  # x padded to the smallest tensor-core tile
+    m = tl.arange(0, BLOCK_M)  # x padded to a tensor-core tile (16 rows at least)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_c = tl.minimum(m, M - 1)
     n_c = tl.minimum(n, N - 1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)  # y^T tile: W rows x batch rows
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x batch rows
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         w_ptrs = w_ptr + n_c[:, None] * stride_wn + k[None, :]
@@ -120,7 +122,9 @@ def _gemv_dot_kernel(
         if UPCAST:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
-        acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)  # (BLOCK_N, 16)
+        acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n_c).to(tl.float32)[:, None]
     y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))
 
@@ -146,23 +150,29 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
     return block_n, block_k
 
 
-def dot_config(n: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the widest W tile that still gives ~2 programs per SM."""
-    block_n = 64
-    while block_n > 16 and triton.cdiv(n, block_n) < 2 * num_sms(device):
+def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+               ) -> tuple[int, int, int]:  # fmt: skip
+    """(BLOCK_N, BLOCK_K, stages): the widest W tile that still gives every other SM a program
+    (128 x 128, 64 x 128 or 32 x 256), as many stages in flight as shared memory holds, up to
+    5. H100, bf16, M = 2..16, against the old ~2 programs per SM and 4 stages: MiMo-7B qkv 35.3
+    -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads 0.5-1% faster; a deep pipeline over few
+    programs streams W faster than many shallow ones (`scratch` sweeps in BENCHMARKS.md)."""
+    block_n = 128
+    while block_n > 32 and triton.cdiv(n, block_n) < num_sms(device) // 2:
         block_n //= 2
-    return block_n, 128 if block_n == 64 else 256
+    block_k = 256 if block_n == 32 else 128
+    stage_bytes = (block_n + max(16, next_pow2(m))) * block_k * dtype.itemsize
+    return block_n, block_k, max(2, min(5, shared_memory(device) // stage_bytes))
 
 
-def gemv_beats_cublas(m: int, n: int, k: int) -> bool:
-    """Where this kernel measured faster than F.linear (H100, bf16, CUDA-graph replays): every
-    M = 1 shape (1.02-1.65x at Qwen3-0.6B / Llama-3.1-8B sizes), M = 2..8 for LM-head sized N
-    (1.05-1.09x at N = 128k-152k), and M = 2 (a batch-1 verify step with one draft, batch-2
-    decode) for wide W (dot: Llama-3.1-8B gate_up 1.00x in `bench.py kernels`, MiMo-7B's 1.13x
-    ad hoc) and W with N <= K (stream: attention out 1.16-1.48x, down 1.04-1.42x in `bench.py
-    kernels`; MiMo-7B down 0.98x ad hoc). qkv (N > K) and the other wide-ish shapes
-    (Qwen3-0.6B gate_up 6144 x 1024) lose at M = 2."""
-    return m == 1 or (m <= 8 and n >= 65536) or (m == 2 and (n >= 16384 or n <= k))
+def gemv_method(m: int, n: int, k: int) -> str | None:
+    """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
+    replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
+    out, down: 4-30% over the dot kernel); "dot" for the rest up to MAX_ROWS rows, 1-40% over
+    cuBLAS at Qwen3-0.6B to Llama-3.1-8B shapes; None (cuBLAS) above."""
+    if m == 1 or (m == 2 and n <= k):
+        return "stream"
+    return "dot" if m <= MAX_ROWS else None
 
 
 def norm_prologue_pays(k: int) -> bool:
@@ -189,9 +199,9 @@ def gemv(
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x (M, K) with M <= 16, weight (N, K) -> (M, N) in x's dtype, or float32 into a float32
-    `out` (rounded once, from the float32 accumulator), + bias (N,). `method`:
-    "stream" (the default for M = 1, a bias, a prologue or N <= K) or "dot" (otherwise).
+    """x (M, K) with M <= MAX_ROWS, weight (N, K) -> (M, N) in x's dtype, or float32 into a float32
+    `out` (rounded once, from the float32 accumulator), + bias (N,). `method`: "stream" or "dot"
+    (default: `gemv_method`'s choice, or "stream" for a prologue).
 
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
     `norm=(norm_weight (K,), eps)` multiplies RMSNorm(x + residual) instead of x and writes
@@ -232,10 +242,11 @@ def gemv(
     else:
         check(residual is None, "a residual needs the norm prologue")
     check(len({t.device for t in tensors}) == 1, "all inputs on one device")
-    if method is None:  # N <= K at M = 2: stream measured 1.04-1.48x cuBLAS, dot 0.72-0.97x
-        method = "stream" if m == 1 or prologue or bias is not None or n <= k else "dot"
+    if method is None:
+        method = "stream" if prologue else gemv_method(m, n, k)
     check(method in ("stream", "dot"), f"unknown method {method!r}")
-    check(method == "stream" or not (prologue or bias is not None), "dot has no prologue/bias")
+    check(method == "dot" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
+    check(method == "stream" or not prologue, "dot has no prologue")
     args = (x, weight, out)
     sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     if method == "stream":
@@ -249,12 +260,13 @@ def gemv(
             num_warps=num_warps, num_stages=num_stages or 3, **pdl(x.device),
         )  # fmt: skip
     else:
-        cfg_n, cfg_k = dot_config(n, x.device)
+        cfg_n, cfg_k, cfg_stages = dot_config(m, n, k, x.dtype, x.device)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
         _gemv_dot_kernel[(triton.cdiv(n, block_n),)](
-            *args, *sizes, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
-            num_warps=num_warps, num_stages=num_stages or 4, **pdl(x.device),
+            *args, bias if bias is not None else x, *sizes, BLOCK_M=max(16, next_pow2(m)),
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
+            num_warps=num_warps, num_stages=num_stages or cfg_stages, **pdl(x.device),
         )  # fmt: skip
     return out
 

@@ -22,7 +22,13 @@ from tinyserve.kernels.decode_attention import (  # noqa: E402
     decode_attention_ref,
     shared_prefix_rows,
 )
-from tinyserve.kernels.gemv import gemv, gemv_ref, stream_config  # noqa: E402
+from tinyserve.kernels.gemv import (  # noqa: E402
+    dot_config,
+    gemv,
+    gemv_method,
+    gemv_ref,
+    stream_config,
+)
 from tinyserve.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_ref,
@@ -424,18 +430,48 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("m", "method"), [(1, None), (2, None), (3, None), (3, "stream"), (16, None)]
+    ("m", "method"),
+    [(1, None), (2, None), (3, None), (3, "stream"), (16, None), (17, None), (32, "dot")],
 )
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 @pytest.mark.parametrize("k", [1000, 100])
 def test_gemv(dtype, m, method, out_dtype, k):
     """out_dtype float32: the accumulator itself (the LM head's logits), rounded only once. Odd
-    sizes: a partial row tile, and K in 8 tiles (the last partial) or in one partial tile."""
+    sizes: a partial row tile, and K in 8 tiles (the last partial) or in one partial tile; 17
+    rows pad x to the dot kernel's 32-row tile, 32 fill it."""
     n = 37
     x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
     out = torch.full((m, n), float("nan"), dtype=out_dtype or dtype, device=DEVICE)
     assert gemv(x, w, out, method=method, block_k=128) is out
     assert_rel(out, gemv_ref(x.double(), w.double()), out_dtype or dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "method"), [(1, "stream"), (3, "dot"), (20, "dot")])
+def test_gemv_bias(dtype, m, method):
+    """Both kernels add a bias (Qwen2 / MiMo qkv) in float32 before the one rounding."""
+    n, k = 37, 300
+    x, w, bias = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype), randn(n, dtype=dtype)
+    out = poisoned(torch.empty(m, n, dtype=dtype, device=DEVICE))
+    assert gemv(x, w, out, bias=bias, method=method, block_k=128) is out
+    assert_rel(out, gemv_ref(x.double(), w.double(), bias=bias.double()), dtype)
+
+
+def test_gemv_method_and_dot_config():
+    """One row streams; two rows stream only W with N <= K (attention out, down); the rest up to
+    32 rows take the dot kernel, and cuBLAS above. The dot tile is the widest that gives every
+    other SM a program, with as many stages as shared memory holds (at most 5)."""
+    assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
+    assert gemv_method(2, 6144, 4096) == gemv_method(16, 4096, 11008) == "dot"
+    assert gemv_method(32, 1024, 1024) == "dot" and gemv_method(33, 1024, 1024) is None
+    h100 = torch.device("cpu")  # the interpreter stands in for 4 SMs and an H100's 227 KB
+    assert dot_config(2, 1024, 1024, torch.bfloat16, h100)[:2] == (128, 128)
+    assert dot_config(2, 128, 1024, torch.bfloat16, h100)[:2] == (64, 128)
+    assert dot_config(2, 16, 1024, torch.bfloat16, h100)[:2] == (32, 256)
+    stages = {(m, dt): dot_config(m, 1024, 1024, dt, h100)[2]
+              for m in (2, 32) for dt in (torch.bfloat16, torch.float32)}  # fmt: skip
+    assert stages == {(2, torch.bfloat16): 5, (32, torch.bfloat16): 5,
+                      (2, torch.float32): 3, (32, torch.float32): 2}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -575,7 +611,7 @@ def test_gemv_prologue_rejects_bad_inputs():
     with pytest.raises(ValueError, match="norm prologue"):
         gemv(x, w, residual=randn(1, 64))
     with pytest.raises(ValueError, match="dot"):
-        gemv(x, w, bias=randn(8), method="dot")
+        gemv(x, w, norm=(nw, 1e-6), method="dot")
     with pytest.raises(ValueError, match="float32"):
         gemv(x.half(), w.half(), torch.empty(1, 8, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
@@ -675,7 +711,9 @@ def test_launchers_reject_bad_inputs():
         decode_attention(randn(2, 128, 64), mqa_cache, mqa_cache, table, lens, 0.1,
                          shared_chunks=chunks, shared_lens=skip)  # fmt: skip
     with pytest.raises(ValueError, match="rows"):
-        gemv(randn(17, 64), randn(8, 64))
+        gemv(randn(33, 64), randn(8, 64))
+    with pytest.raises(ValueError, match="stream is for"):
+        gemv(randn(17, 64), randn(8, 64), method="stream")
     with pytest.raises(ValueError, match="method"):
         gemv(randn(2, 64), randn(8, 64), method="splitk")
     with pytest.raises(ValueError, match="contiguous"):
@@ -748,12 +786,12 @@ def test_prefill_attention_gpu(dtype):
 @pytest.mark.parametrize(
     "shape", [(151936, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (4096, 14336)]
 )
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 32])
 def test_gemv_gpu(shape, m):
     n, k = shape
     x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
     ref = gemv_ref(x.float(), w.float())
-    for method in (None, "stream") if m > 1 else (None,):
+    for method in (None, "stream") if 1 < m <= 16 else (None,):
         out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
         gemv(x, w, out, method=method)
         assert_rel(out, ref, BF16)

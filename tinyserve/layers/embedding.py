@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gemv import gemv, gemv_beats_cublas
+from tinyserve.kernels.gemv import gemv, gemv_method
 
 # torch.mm(..., out_dtype=torch.float32) on CUDA: torch 2.8 and later (pyproject allows 2.4).
 _MM_FLOAT_OUT = torch.__version__ >= "2.8"
@@ -31,7 +31,7 @@ class LMHead(VocabEmbedding):
         dtype, then float (HF's logits.float()). A bf16 result plus its float32 copy moves the
         logits' bytes 2.5x: 527 vs 481 us at 128 rows x 152k x 4k (H100, BENCHMARKS.md)."""
         (m, _), v = hidden.shape, self.weight.shape[0]
-        if hidden.is_cuda and gemv_beats_cublas(m, v, hidden.shape[1]):
+        if hidden.is_cuda and gemv_method(m, v, hidden.shape[1]):
             if out is None:
                 out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
             return gemv(hidden, self.weight, out)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gemv import gemv, gemv_beats_cublas, norm_prologue_pays
+from tinyserve.kernels.gemv import gemv, gemv_method, norm_prologue_pays
 from tinyserve.layers.activation import silu_and_mul
 
 
@@ -54,13 +54,13 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
-    def _use_gemv(self, x: torch.Tensor) -> bool:
-        # Batch-1 decode: the Triton gemv streams weights faster than cuBLAS, and its prologues
-        # fuse the norm / activation that feeds the matmul (one launch instead of two).
-        return x.is_cuda and gemv_beats_cublas(x.shape[0], *self.weight.shape)
+    def _gemv_method(self, x: torch.Tensor) -> str | None:
+        # Decode batches: the Triton gemv streams weights faster than cuBLAS, and its "stream"
+        # variant's prologues fuse the norm / activation that feeds the matmul.
+        return gemv_method(x.shape[0], *self.weight.shape) if x.is_cuda else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._use_gemv(x):
+        if self._gemv_method(x):
             return gemv(x, self.weight, bias=self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -69,7 +69,7 @@ class Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual) for an RMSNorm `norm`; without a residual,
         x itself is the residual stream."""
-        if self._use_gemv(x) and norm_prologue_pays(x.shape[1]):
+        if x.is_cuda and x.shape[0] == 1 and norm_prologue_pays(x.shape[1]):
             if residual is None:
                 return gemv(x, self.weight, bias=self.bias, norm=(norm.weight, norm.eps)), x
             res_out = torch.empty_like(x)
@@ -83,7 +83,7 @@ class Linear(nn.Module):
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for x = [gate | up]."""
-        if self._use_gemv(x):
+        if self._gemv_method(x) == "stream":
             return gemv(x, self.weight, bias=self.bias, gated=True)
         return self(silu_and_mul(x))
 
