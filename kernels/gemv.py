@@ -192,8 +192,10 @@ def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     while block_n > 32 and triton.cdiv(n, block_n) < num_sms(device) // 2:
         block_n //= 2
     block_k = 256 if block_n == 32 else 128
-    stage_bytes = (block_n + max(16, next_pow2(m))) * block_k * dtype.itemsize
-    return block_n, block_k, max(2, min(5, shared_memory(device) // stage_bytes))
+    smem, rows = shared_memory(device), max(16, next_pow2(m))
+    while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
+        block_k //= 2  # two stages must fit: float32 at 32 rows on a 100 KB consumer card
+    return block_n, block_k, min(5, smem // ((block_n + rows) * block_k * dtype.itemsize))
 
 
 def gemv_method(m: int, n: int, k: int) -> str | None:

@@ -16,6 +16,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:  # before the kernels import triton.jit
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tinyserve.kernels.gemv as gemv_module  # noqa: E402
 from tinyserve.kernels._common import is_interpreter, next_pow2  # noqa: E402
 from tinyserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
@@ -457,7 +458,7 @@ def test_gemv_bias(dtype, m, method):
     assert_rel(out, gemv_ref(x.double(), w.double(), bias=bias.double()), dtype)
 
 
-def test_gemv_method_and_dot_config():
+def test_gemv_method_and_dot_config(monkeypatch):
     """One row streams; two rows stream only W with N <= K (attention out, down); the rest up to
     32 rows take the dot kernel, and cuBLAS above. The dot tile is the widest that gives every
     other SM a program, with as many stages as shared memory holds (at most 5)."""
@@ -472,6 +473,10 @@ def test_gemv_method_and_dot_config():
               for m in (2, 32) for dt in (torch.bfloat16, torch.float32)}  # fmt: skip
     assert stages == {(2, torch.bfloat16): 5, (32, torch.bfloat16): 5,
                       (2, torch.float32): 3, (32, torch.float32): 2}  # fmt: skip
+    # A card with 99 KB of shared memory (consumer Ada): float32 at 32 rows halves BLOCK_K.
+    monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 101376)
+    assert dot_config(32, 1024, 1024, torch.float32, h100) == (128, 64, 2)
+    assert dot_config(2, 1024, 1024, torch.bfloat16, h100) == (128, 128, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
