@@ -326,13 +326,16 @@ class ModelRunner:
         out = self._mtp_first_pass(md, positions, hidden, next_ids)
         h = out[chosen]
         token = self.mtp.draft(h)
+        k = self.config.num_speculative_tokens
+        if k == 1:  # no chain: skip its setup (two kernels a verify step)
+            return token[:, None]
         drafts = [token]
         bs, num = self.block_size, chosen.shape[0]
         pos = positions[chosen]
         max_pos = self.model_config.max_position_embeddings - 1
         scratch = self.num_kv_blocks * bs
         cu = torch.arange(num + 1, dtype=torch.int32, device=self.device)
-        for _ in range(1, self.config.num_speculative_tokens):
+        for _ in range(1, k):
             pos = pos + 1
             valid = pos < limits  # past the lookahead slots: write to the scratch slot
             p = torch.minimum(pos, limits - 1).clamp(min=0)
