@@ -415,12 +415,12 @@ def _bench_small_ops(res) -> None:
                                ("down", 4096, 14336), ("lm_head", 128256, 4096)]}  # fmt: skip
     for model, layers in shapes.items():
         for name, n, k in layers:
-            for m in (1, 2, 4, 8):
+            for m in (1, 2, 4, 8, 16, 32):  # gemv_method: stream, dot up to 32 rows
                 shape, nbytes = f"{model} {name} M={m} {n}x{k}", (n * k + m * (n + k)) * 2
                 gemv_set = lambda n=n, k=k, m=m: (rnd(m, k), rnd(n, k) * 0.05)  # noqa: E731
                 _kernel_row(res, "gemv", shape, nbytes, 2 * m * n * k, gemv_set, gemv,
                             {"cublas": F.linear})  # fmt: skip
-                if m > 1:  # the CUDA-core kernel that wins at M = 1, for comparison
+                if 1 < m <= 16:  # the CUDA-core kernel that wins at M = 1, for comparison
                     _sweep(res, "gemv", shape, nbytes, gemv_set, gemv, [dict(method="stream")])
             if name in ("qkv", "gate_up", "down"):
                 _bench_prologue(res, model, name, n, k)
