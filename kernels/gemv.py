@@ -2,7 +2,7 @@
 
 Both variants stream W once, coalesced, with float32 accumulation: "stream" gives each program
 BLOCK_N rows of W and multiplies on the CUDA cores (one or two rows of x); "dot" runs a
-BLOCK_N x BLOCK_K tile of W against x padded to 16-64 rows on the tensor cores, with a deep
+BLOCK_N x BLOCK_K tile of W against x padded to 16 or 32 rows on the tensor cores, with a deep
 pipeline. `gemv_method` says which one (or cuBLAS) a shape takes. Split-K was measured and
 dropped: it lost 5-45% at every Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
 """
@@ -25,7 +25,7 @@ from ._common import (
     shared_memory,
 )
 
-MAX_ROWS = 32  # the dot kernel's: at 48-64 rows it lost up to 25% to cuBLAS (H100)
+MAX_ROWS = 32  # the dot kernel's: at 48-64 rows it lost up to 29% to cuBLAS (H100)
 MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
 
 

@@ -31,10 +31,11 @@ class LMHead(VocabEmbedding):
         dtype, then float (HF's logits.float()). A bf16 result plus its float32 copy moves the
         logits' bytes 2.5x: 527 vs 481 us at 128 rows x 152k x 4k (H100, BENCHMARKS.md)."""
         (m, _), v = hidden.shape, self.weight.shape[0]
-        if hidden.is_cuda and gemv_method(m, v, hidden.shape[1]):
+        method = gemv_method(m, v, hidden.shape[1]) if hidden.is_cuda else None
+        if method:
             if out is None:
                 out = torch.empty(m, v, dtype=torch.float32, device=hidden.device)
-            return gemv(hidden, self.weight, out)
+            return gemv(hidden, self.weight, out, method=method)
         if _MM_FLOAT_OUT and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32, out=out)
         if out is None:

@@ -60,8 +60,11 @@ class Linear(nn.Module):
         return gemv_method(x.shape[0], *self.weight.shape) if x.is_cuda else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv_method(x):
-            return gemv(x, self.weight, bias=self.bias)
+        return self._matmul(x, self._gemv_method(x))
+
+    def _matmul(self, x: torch.Tensor, method: str | None) -> torch.Tensor:
+        if method:
+            return gemv(x, self.weight, bias=self.bias, method=method)
         return F.linear(x, self.weight, self.bias)
 
     def normed(
@@ -83,9 +86,10 @@ class Linear(nn.Module):
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for x = [gate | up]."""
-        if self._gemv_method(x) == "stream":
+        method = self._gemv_method(x)  # the shape's choice: W's, and x's rows
+        if method == "stream":
             return gemv(x, self.weight, bias=self.bias, gated=True)
-        return self(silu_and_mul(x))
+        return self._matmul(silu_and_mul(x), method)
 
 
 class MergedLinear(Linear):
