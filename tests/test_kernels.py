@@ -37,7 +37,12 @@ from tinyserve.kernels.prefill_attention import (  # noqa: E402
 from tinyserve.kernels.rms_norm import rms_norm, rms_norm_ref  # noqa: E402
 from tinyserve.kernels.rope_store_kv import rope_store_kv, rope_store_kv_ref  # noqa: E402
 from tinyserve.kernels.rotary import rotary_embedding, rotary_embedding_ref  # noqa: E402
-from tinyserve.kernels.sampling import counter_uniform, sample_race, sample_race_ref  # noqa: E402
+from tinyserve.kernels.sampling import (  # noqa: E402
+    argmax,
+    counter_uniform,
+    sample_race,
+    sample_race_ref,
+)
 from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
 from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref  # noqa: E402
 from tinyserve.kernels.spec_shift import spec_shift, spec_shift_ref  # noqa: E402
@@ -527,6 +532,20 @@ def test_stream_config_gated_tiles():
         assert stream_config(1, n, k, cpu, prologue=1)[0] >= 8
 
 
+def test_stream_config_one_row_tiles(monkeypatch):
+    """One row, H100 (132 SMs): the norm prologue takes K <= 1024 in one tile (fetched before
+    the PDL wait); LM heads take 8 x 1024 tiles; a small N keeps 2 W rows a program, except
+    under a prologue, where the down projection keeps its one 4 x 4096 tile."""
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    h100 = torch.device("cpu")
+    assert stream_config(1, 6144, 1024, h100, prologue=1) == (8, 1024)  # Qwen3-0.6B gate_up
+    assert stream_config(1, 3072, 2048, h100, prologue=1) == (8, 1024)  # Llama-3.2-1B: 2 tiles
+    assert stream_config(1, 151936, 1024, h100) == (8, 1024)
+    assert stream_config(1, 128256, 4096, h100) == (8, 1024)
+    assert stream_config(1, 1024, 2048, h100) == (2, 2048)  # Qwen3-0.6B attention out
+    assert stream_config(1, 1024, 3072, h100, prologue=2) == (4, 4096)  # its down
+
+
 def _long(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=DEVICE)
 
@@ -651,6 +670,28 @@ def test_sample_race_matches_reference(num_chunks):
     assert torch.equal(ids, sample_race_ref(x, keys, greedy))
     assert ids[4] == 17
     assert torch.equal(sample_race(x, keys, num_chunks=num_chunks), sample_race_ref(x, keys))
+
+
+@pytest.mark.parametrize(("batch", "vocab"), [(1, 5000), (5, 3001), (3, 37), (64, 2048)])
+def test_argmax(batch, vocab):
+    """torch.argmax's ids, ties to the lowest index across chunk boundaries, into out."""
+    x = randn(batch, vocab, scale=4.0)
+    x[0, vocab // 2] = x[0, vocab - 1] = x[0, 3] = x[0].max() + 1  # ties in different chunks
+    if batch > 1:
+        x[1, :] = -1.0  # all equal: id 0
+        x[1, 5:] = float("-inf")
+    out = torch.full((batch,), -7, dtype=torch.int64, device=DEVICE)
+    assert argmax(x, out) is out
+    assert torch.equal(out, x.argmax(-1))
+    assert out[0] == 3
+    assert torch.equal(argmax(x[:, : vocab // 2]), x[:, : vocab // 2].argmax(-1))  # strided rows
+
+
+def test_argmax_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="float32"):
+        argmax(randn(2, 10, dtype=BF16))
+    with pytest.raises(ValueError, match="out must be"):
+        argmax(randn(2, 10), torch.empty(3, dtype=torch.int64, device=DEVICE))
 
 
 def test_sample_race_equals_sampler_tokens():

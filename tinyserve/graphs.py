@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tinyserve.layers.attention import AttentionMetadata, forward_context
+from tinyserve.sampling import greedy
 from tinyserve.transfer import host_array
 
 
@@ -260,7 +261,7 @@ class DecodeGraphs:
         logits = self.model.compute_logits(last, out=self.logits[: last.shape[0]])
         # The greedy tokens, where the next step's gather finds them (it reads them before
         # this write: the gather is the replay's first kernel).
-        torch.argmax(logits, dim=-1, out=self.last_sampled[: logits.shape[0]])
+        greedy(logits, out=self.last_sampled[: logits.shape[0]])
         return hidden, logits
 
     def capture_drafts(self, draft_tokens) -> None:

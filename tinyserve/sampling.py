@@ -385,6 +385,17 @@ def apply_min_p(logits: Tensor, t: SamplingTensors) -> Tensor:
     return logits.masked_fill(probs < threshold, -math.inf)
 
 
+def greedy(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """x (B, V) float32 -> (B,) int64 argmax, the first maximum on ties, into `out` if given.
+    On CUDA the two-pass Triton kernel: H100, 3.6 against torch's 9.5 us at 1 x 151,936; in
+    the batch-1 decode graph it was ~9 us of Qwen3-0.6B's 0.85 ms replay."""
+    if x.is_cuda:
+        from tinyserve.kernels.sampling import argmax
+
+        return argmax(x, out)
+    return torch.argmax(x, dim=-1, out=out)
+
+
 def race(x: Tensor, keys: Tensor, is_greedy: Tensor | None) -> Tensor:
     """Exponential race: with E_v = -log(u_v) ~ Exp(1) iid, argmax_v p_v / E_v is v with
     probability p_v. In log space log p_v = x_v - logsumexp(x) (a per-row constant), so
@@ -411,7 +422,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleResult:
         x = raw.index_put(t.bias[:2], t.bias[2], accumulate=True)
     x = apply_penalties(x, t) if t.output_counts is not None else x
     if t.all_greedy:
-        token_ids = x.argmax(dim=-1)  # first maximum on ties
+        token_ids = greedy(x)  # first maximum on ties
     else:
         # Greedy rows carry neutral filters (temperature 1, no top-k/p, min_p 0), so the
         # argmax of the processed row is theirs.

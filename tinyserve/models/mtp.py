@@ -34,6 +34,7 @@ from tinyserve.layers.embedding import LMHead
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.norm import RMSNorm
 from tinyserve.models.llama import LlamaDecoderLayer
+from tinyserve.sampling import greedy
 
 
 @dataclass(frozen=True)
@@ -169,5 +170,5 @@ class MTPHead(nn.Module):
         """(N, H) normed MTP outputs -> (N,) greedy drafts (the verification rule needs a
         deterministic draft, spec_decode.py)."""
         if self.draft_head is None:
-            return self.compute_logits(hidden).argmax(-1)
-        return self.draft_ids[self.draft_head(hidden).argmax(-1)]
+            return greedy(self.compute_logits(hidden))
+        return self.draft_ids[greedy(self.draft_head(hidden))]
