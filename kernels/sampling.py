@@ -100,8 +100,7 @@ def sample_race(
     check(len({t.device for t in (x, keys, is_greedy) if t is not None}) == 1, "one device")
     greedy = is_greedy.view(torch.uint8) if is_greedy is not None else keys
     out = torch.empty(batch, dtype=torch.int64, device=x.device)
-    num_chunks = num_chunks or _default_chunks(x, min_tiles=4)
-    return _race(x, keys, greedy, out, num_chunks, has_greedy=is_greedy is not None)
+    return _race(x, keys, greedy, out, num_chunks, 4, has_greedy=is_greedy is not None)
 
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,24 +115,21 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     check(out.shape == x.shape[:1] and out.dtype == torch.int64 and out.is_contiguous(),
           "out must be (B,) int64, contiguous")  # fmt: skip
     check(out.device == x.device, "x and out on one device")
-    return _race(x, out, out, out, _default_chunks(x, min_tiles=2), all_greedy=True)
+    return _race(x, out, out, out, None, 2, all_greedy=True)
 
 
-def _default_chunks(x: torch.Tensor, min_tiles: int) -> int:
-    """~2 programs per SM over the batch, chunks of at least min_tiles vocab tiles."""
-    batch, vocab = x.shape
-    tiles = triton.cdiv(vocab, min(1024, next_pow2(vocab)))
-    return min(triton.cdiv(2 * num_sms(x.device), max(batch, 1)), triton.cdiv(tiles, min_tiles))
-
-
-def _race(x, keys, greedy, out, num_chunks: int, has_greedy: bool = False,
+def _race(x, keys, greedy, out, num_chunks: int | None, min_tiles: int, has_greedy: bool = False,
           all_greedy: bool = False) -> torch.Tensor:  # fmt: skip
     """Pass 1: the best (value, id) of each vocab chunk; pass 2: the best chunk's id, into out.
+    By default ~2 programs per SM over the batch, in chunks of at least `min_tiles` tiles.
     all_greedy: a plain argmax (keys and greedy are placeholders, loaded but unused)."""
     batch, vocab = x.shape
     if batch == 0:
         return out
     block_v = min(1024, next_pow2(vocab))
+    if num_chunks is None:
+        tiles = triton.cdiv(vocab, block_v)
+        num_chunks = min(triton.cdiv(2 * num_sms(x.device), batch), triton.cdiv(tiles, min_tiles))
     num_chunks = max(1, min(num_chunks, triton.cdiv(vocab, block_v)))
     chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
     num_chunks = triton.cdiv(vocab, chunk)

@@ -733,6 +733,23 @@ def test_sampler_on_gpu_draws_the_cpu_samplers_tokens(monkeypatch):
     assert calls == [1] and torch.equal(got.cpu(), want)
 
 
+@gpu
+@pytest.mark.gpu
+def test_greedy_takes_the_kernel_up_to_32_rows(monkeypatch):
+    """tinyserve.sampling.greedy on CUDA: the Triton argmax up to 32 rows (measured faster
+    there), torch's reduction above (a tie at 64 rows); the same ids either way."""
+    from tinyserve.kernels import sampling as kernel
+
+    from tinyserve.sampling import greedy
+
+    calls, fused = [], kernel.argmax
+    monkeypatch.setattr(kernel, "argmax", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    for rows, expected_calls in ((1, 1), (32, 2), (33, 2), (64, 2)):
+        x = randn(rows, 151936, scale=4.0)
+        assert torch.equal(greedy(x), x.argmax(-1))
+        assert len(calls) == expected_calls, rows
+
+
 # --------------------------------------------------------------------------- launchers
 
 
