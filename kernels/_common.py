@@ -103,9 +103,11 @@ def _cuda_capability(index: int) -> int:
 
 @triton.jit
 def pdl_sync(USE_PDL: tl.constexpr):
-    """First statement of a PDL kernel: wait until the kernel before it has finished and its
-    writes are visible (nothing is read or written before this), then let the next kernel be
-    scheduled at once (it waits the same way)."""
+    """Let the next kernel be scheduled at once, then wait until the kernel before this one has
+    finished and its writes are visible (the next kernel waits the same way, so each waits for
+    every kernel before it). Before this a kernel may only read what no kernel of the current
+    PDL chain writes: weights, step inputs (written by copies or plain torch ops, which break
+    the chain) and the KV of earlier forwards; it writes nothing."""
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -38,6 +38,55 @@ from ._common import (
 )
 
 
+@triton.jit
+def _kv_slots(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys n = n0 + arange(BLOCK_N) below end: (n, mask, block ids, offsets in the block)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < end
+    if BLOCK_SIZE >= BLOCK_N:  # tiles are aligned, so the whole tile sits in one KV block
+        block_ids = tl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        block_ids = block_ids[:, None]
+    return n, n_mask, block_ids, (n % BLOCK_SIZE)[:, None]
+
+
+@triton.jit
+def _kv_tile(k_base, v_base, block_ids, offs, mask, d, stride_kb, stride_ks, stride_vb, stride_vs):
+    """(k, v) (BLOCK_N, D) at the slots; rows outside mask are 0 and never read (padding slots
+    may hold never-written memory, NaN)."""
+    mask = mask[:, None]
+    k = tl.load(k_base + block_ids * stride_kb + offs * stride_ks + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_base + block_ids * stride_vb + offs * stride_vs + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
+                 QUERY_LEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """One online-softmax step of the (BLOCK_G, D) queries over keys n; returns (m_i, l_i, acc)."""
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_G, BLOCK_N)
+    visible = n_mask[None, :]
+    if QUERY_LEN > 1:
+        visible = visible & (n[None, :] <= last_key[:, None])
+    qk = tl.where(visible, qk * scale_log2e, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row may see no key yet (an empty split, a verify row before its split): keep exp2 away
+    # from -inf - -inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)  # P @ V in the cache dtype, fp32 accumulate
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 # The split count is a runtime argument, never specialized on (Triton would compile a variant
 # for 1 and for multiples of 16): the count follows each step's context length
 # (graphs.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
@@ -54,10 +103,12 @@ def _decode_kernel(
     SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, QUERY_LEN: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Lengths and block tables are step inputs, and every key but this step's QUERY_LEN new ones
+    # was stored by an earlier forward: the first tile of those is fetched before waiting on the
+    # kernel before (PDL; it writes q and the new keys), so its latency overlaps that kernel.
     context_len = tl.load(lens_ptr + b)
     skip = 0  # leading tokens the shared-prefix kernel attends (whole KV blocks)
     if SHARED_SPLITS > 0:
@@ -66,6 +117,7 @@ def _decode_kernel(
     split_len = tl.cdiv(tl.cdiv(context_len - skip, num_splits), BLOCK_N) * BLOCK_N
     start = skip + split * split_len
     end = tl.minimum(start + split_len, context_len)
+    first_new = context_len - QUERY_LEN
 
     # Tile row r: query token j = r // GROUP of the row's QUERY_LEN (its last positions), query
     # head g = r % GROUP of this kv head; padded to a dot-friendly size.
@@ -73,8 +125,20 @@ def _decode_kernel(
     token = b * QUERY_LEN + r // GROUP  # row of q / out
     heads = kv_head * GROUP + r % GROUP
     g_mask = r < QUERY_LEN * GROUP
-    last_key = context_len - QUERY_LEN + r // GROUP  # causal: the last key each row sees
+    last_key = first_new + r // GROUP  # causal: the last key each row sees
     d = tl.arange(0, HEAD_DIM)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + b * stride_bt
+    n, n_mask, block_ids, offs = _kv_slots(bt_row, start, end, BLOCK_SIZE, BLOCK_N)
+    k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask & (n < first_new), d,
+                    stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+    pdl_sync(USE_PDL)
+    new = n_mask & (n >= first_new)  # all False but in the split holding the new keys
+    k_new, v_new = _kv_tile(k_base, v_base, block_ids, offs, new, d,
+                            stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+    k = tl.where(new[:, None], k_new, k)
+    v = tl.where(new[:, None], v_new, v)
     q_ptrs = q_ptr + token[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
     if UPCAST:
@@ -82,50 +146,14 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of log2 scores
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    bt_row = bt_ptr + b * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        if BLOCK_SIZE >= BLOCK_N:  # tiles are aligned, so the whole tile sits in one KV block
-            block_ids = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
-        else:
-            block_ids = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            block_ids = block_ids[:, None]
-        offs = (n % BLOCK_SIZE)[:, None]
-        # Masked rows are never read: padding slots may hold never-written memory (NaN).
-        k = tl.load(
-            k_base + block_ids * stride_kb + offs * stride_ks + d[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        )  # (BLOCK_N, D)
-        v = tl.load(
-            v_base + block_ids * stride_vb + offs * stride_vs + d[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_G, BLOCK_N)
-        visible = n_mask[None, :]
-        if QUERY_LEN > 1:
-            visible = visible & (n[None, :] <= last_key[:, None])
-        qk = tl.where(visible, qk * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if QUERY_LEN > 1:  # a row may see no key of a split yet: keep exp2 away from -inf - -inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new  # finite: every tile has a valid column
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v_ptr.dtype.element_ty)  # P @ V in the cache dtype, fp32 accumulate
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
+                                 QUERY_LEN, PRECISION, UPCAST)  # fmt: skip
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        n, n_mask, block_ids, offs = _kv_slots(bt_row, n0, end, BLOCK_SIZE, BLOCK_N)
+        k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask, d,
+                        stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+        m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
+                                     QUERY_LEN, PRECISION, UPCAST)  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (padding rows) gives zeros, not NaN
     if ONE_PASS:  # one split, no shared prefix: the output itself
@@ -190,28 +218,11 @@ def _shared_prefix_kernel(
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + tl.maximum(leader, 0) * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        block_ids = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offs = (n % BLOCK_SIZE)[:, None]
-        k = tl.load(k_base + block_ids[:, None] * stride_kb + offs * stride_ks + d[None, :],
-                    mask=n_mask[:, None], other=0.0)  # fmt: skip
-        v = tl.load(v_base + block_ids[:, None] * stride_vb + offs * stride_vs + d[None, :],
-                    mask=n_mask[:, None], other=0.0)  # fmt: skip
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        qk = tl.where(n_mask[None, :], qk * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v_ptr.dtype.element_ty)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+        n, n_mask, block_ids, offs = _kv_slots(bt_row, n0, end, BLOCK_SIZE, BLOCK_N)
+        k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask, d,
+                        stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+        m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, n, m_i, l_i, acc, scale_log2e,
+                                     1, PRECISION, UPCAST)  # one query a row: no last key  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     row = (rows * num_heads + heads) * total_splits + split

@@ -18,9 +18,10 @@ from ._common import FLOAT_DTYPES, check, next_pow2, pdl, pdl_sync
 
 
 @triton.jit
-def _norm_rotate(x_ptr, num_heads, cos, sin, norm_ptr, eps,
+def _norm_rotate(x_ptr, num_heads, cos, sin, w1, w2, eps,
                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
-    """Heads [0, num_heads) at x_ptr (contiguous, HEAD_DIM apart) -> rotated halves, float32."""
+    """Heads [0, num_heads) at x_ptr (contiguous, HEAD_DIM apart) -> rotated halves, float32;
+    w1, w2: the norm weight's halves (float32)."""
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, half)[None, :]
@@ -33,8 +34,6 @@ def _norm_rotate(x_ptr, num_heads, cos, sin, norm_ptr, eps,
         sum_sq = tl.sum(x1 * x1, 1, keep_dims=True) + tl.sum(x2 * x2, 1, keep_dims=True)
         rstd = tl.math.rsqrt(sum_sq / HEAD_DIM + eps)
         # A product of two 16-bit floats is exact in float32, so this rounds like a bf16 multiply.
-        w1 = tl.load(norm_ptr + i).to(tl.float32)
-        w2 = tl.load(norm_ptr + half + i).to(tl.float32)
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -48,26 +47,35 @@ def _rope_store_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_sync(USE_PDL)
     half: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
+    # Positions, slots, the table and the norm weights are step inputs or weights: fetched
+    # before waiting on the kernel before (PDL; the qkv matmul), so their two dependent loads
+    # (position, then its table row) overlap that kernel's tail.
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     i = tl.arange(0, half)[None, :]
     cos = tl.load(table_ptr + pos * stride_table + i)  # (1, half) float32
     sin = tl.load(table_ptr + pos * stride_table + half + i)
+    qw1, qw2, kw1, kw2 = cos, cos, cos, cos  # placeholders without q/k norms
+    if QK_NORM:
+        qw1 = tl.load(qn_ptr + i).to(tl.float32)
+        qw2 = tl.load(qn_ptr + half + i).to(tl.float32)
+        kw1 = tl.load(kn_ptr + i).to(tl.float32)
+        kw2 = tl.load(kn_ptr + half + i).to(tl.float32)
+    pdl_sync(USE_PDL)
     q_ptr = qkv_ptr + t * stride_t
     k_ptr = q_ptr + num_heads * HEAD_DIM
     v_ptr = k_ptr + num_kv_heads * HEAD_DIM
 
-    q1, q2 = _norm_rotate(q_ptr, num_heads, cos, sin, qn_ptr, eps, HEAD_DIM, BLOCK_HQ, QK_NORM)
+    q1, q2 = _norm_rotate(q_ptr, num_heads, cos, sin, qw1, qw2, eps, HEAD_DIM, BLOCK_HQ, QK_NORM)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     q_mask = hq < num_heads
     tl.store(q_ptr + hq * HEAD_DIM + i, q1.to(qkv_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_ptr + hq * HEAD_DIM + half + i, q2.to(qkv_ptr.dtype.element_ty), mask=q_mask)
 
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        k1, k2 = _norm_rotate(k_ptr, num_kv_heads, cos, sin, kn_ptr, eps, HEAD_DIM, BLOCK_HK,
+        k1, k2 = _norm_rotate(k_ptr, num_kv_heads, cos, sin, kw1, kw2, eps, HEAD_DIM, BLOCK_HK,
                               QK_NORM)  # fmt: skip
         hk = tl.arange(0, BLOCK_HK)[:, None]
         kv_mask = hk < num_kv_heads
