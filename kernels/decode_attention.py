@@ -52,18 +52,21 @@ def _kv_slots(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(k_base, v_base, block_ids, offs, mask, d, stride_kb, stride_ks, stride_vb, stride_vs):
+def _kv_tile(k_base, v_base, block_ids, offs, mask, d,
+             stride_kb, stride_ks, stride_vb, stride_vs):  # fmt: skip
     """(k, v) (BLOCK_N, D) at the slots; rows outside mask are 0 and never read (padding slots
     may hold never-written memory, NaN)."""
+    k_ptrs = k_base + block_ids * stride_kb + offs * stride_ks + d[None, :]
+    v_ptrs = v_base + block_ids * stride_vb + offs * stride_vs + d[None, :]
     mask = mask[:, None]
-    k = tl.load(k_base + block_ids * stride_kb + offs * stride_ks + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_base + block_ids * stride_vb + offs * stride_vs + d[None, :], mask=mask, other=0.0)
-    return k, v
+    return tl.load(k_ptrs, mask=mask, other=0.0), tl.load(v_ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
-                 QUERY_LEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+def _attend_tile(
+    q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
+    QUERY_LEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
     """One online-softmax step of the (BLOCK_G, D) queries over keys n; returns (m_i, l_i, acc)."""
     if UPCAST:
         k = k.to(tl.float32)
@@ -221,8 +224,9 @@ def _shared_prefix_kernel(
         n, n_mask, block_ids, offs = _kv_slots(bt_row, n0, end, BLOCK_SIZE, BLOCK_N)
         k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask, d,
                         stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+        # One query a row: no causal mask, so n stands in for the last keys.
         m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, n, m_i, l_i, acc, scale_log2e,
-                                     1, PRECISION, UPCAST)  # one query a row: no last key  # fmt: skip
+                                     1, PRECISION, UPCAST)  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     row = (rows * num_heads + heads) * total_splits + split

@@ -223,12 +223,18 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
 
 def test_decode_split_count_follows_the_longest_context(monkeypatch):
     """A decode step's split count: the padded batch's GPU-filling count, cut to a power of two
-    of ~KEYS_PER_SPLIT keys per split for its longest context (short contexts skip the merge
-    pass); batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head model."""
+    of at most KEYS_PER_SPLIT keys per split for its longest context, and to one split (no merge
+    pass) up to twice that; batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head
+    model. Splits the context cut take the short key tile, GPU-filling ones the default."""
     from tinyserve.kernels import decode_attention
 
     from tinyserve import graphs
-    from tinyserve.graphs import KEYS_PER_SPLIT, decode_num_splits
+    from tinyserve.graphs import (
+        KEYS_PER_SPLIT,
+        SHORT_SPLIT_BLOCK_N,
+        decode_block_n,
+        decode_num_splits,
+    )
 
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     graphs._full_num_splits.cache_clear()  # computed with the real SM count elsewhere
@@ -237,12 +243,20 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     def splits(batch, ctx):
         return decode_num_splits(batch, 256, 8, 40960, cuda, ctx)
 
+    def block_n(batch, num_splits):
+        return decode_block_n(batch, 256, 8, 40960, cuda, num_splits)
+
     assert splits(1, None) == 32
-    assert [splits(1, c) for c in (1, KEYS_PER_SPLIT, KEYS_PER_SPLIT + 1, 3 * KEYS_PER_SPLIT,
-                                   4 * KEYS_PER_SPLIT, 40960)] == [1, 1, 2, 4, 4, 32]  # fmt: skip
-    assert splits(3, 4 * KEYS_PER_SPLIT) == splits(4, 4 * KEYS_PER_SPLIT) == 4  # padded size
+    keys = KEYS_PER_SPLIT
+    assert [splits(1, c) for c in (1, keys, 2 * keys, 2 * keys + 1, 4 * keys, 9 * keys, 40960)
+            ] == [1, 1, 1, 4, 4, 16, 32]  # fmt: skip
+    assert [block_n(1, s) for s in (1, 4, 16, 32)] == [None] + [SHORT_SPLIT_BLOCK_N] * 2 + [None]
+    assert splits(3, 4 * keys) == splits(4, 4 * keys) == 4  # padded size
     assert splits(64, 40960) == splits(64, None) == 1
+    assert block_n(64, 1) is None
     assert decode_num_splits(1, 256, 8, 40960, torch.device("cpu"), 4096) == 1
+    assert decode_block_n(1, 256, 8, 40960, torch.device("cpu"), 4) is None
+    graphs._full_num_splits.cache_clear()
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])

@@ -40,20 +40,20 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
     return next((s for s in graph_batch_sizes(max_num_seqs) if s >= num_seqs), num_seqs)
 
 
-# Keys per decode split below which more splits lose: the kernel cuts splits into whole 64-key
-# tiles, so a second split of one tile's keys only adds its fixed costs (a program, a partial
-# result, its share of the merge pass). H100 batch-1 latency (256 tokens from 32): qwen3-0.6b
-# 1,142 tok/s at 64, 1,107 at 128, 1,053 with the fixed 32 splits.
-KEYS_PER_SPLIT = 64
+# Keys per decode split of a short context, and the kernel tile that holds them. H100, qwen3-0.6b
+# batch-1 graph replay (kernels prefetching before the PDL wait), 32-key splits in 32-key tiles
+# against 64 in 64: 0.698 vs 0.727 ms at 100 keys, 0.694 vs 0.717 at 200, 0.688 vs 0.726 at 288;
+# but one 64-key tile (no merge pass) beats two splits up to 64 keys: 0.685 vs 0.701 at 48.
+KEYS_PER_SPLIT = 32
+SHORT_SPLIT_BLOCK_N = 32
 
 
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
                       device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
-    cut to the power of two that gives the step's longest context about KEYS_PER_SPLIT keys per
-    split (H100, qwen3-0.6b batch-1 graph at 288 keys: 0.88 ms with 8 splits, 0.95 ms with
-    32; at 48 keys one split, which needs no merge pass, 0.82 against 0.93 ms). A function of
-    the padded size and the longest context, so eager and graph steps sum in the same order.
+    cut to the power of two that gives the step's longest context at most KEYS_PER_SPLIT keys
+    per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys. A function
+    of the padded size and the longest context, so eager and graph steps sum in the same order.
     Verify steps take the same count (MiMo-7B batch-1 verify graph, k = 1, 32-token prompts:
     ~0.2 ms less with 1-2 splits than with 32)."""
     if device.type != "cuda":
@@ -61,7 +61,20 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
     if max_context_len is None:
         return full
-    return min(full, 1 << max(0, -(-max_context_len // KEYS_PER_SPLIT) - 1).bit_length())
+    tiles = -(-max_context_len // KEYS_PER_SPLIT)
+    return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
+
+
+def decode_block_n(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
+                   device: torch.device, num_splits: int) -> int | None:  # fmt: skip
+    """The decode kernel's key tile for a step of num_splits splits: SHORT_SPLIT_BLOCK_N where
+    the context cut the count (each split holds at most KEYS_PER_SPLIT keys), else the kernel's
+    default (a GPU-filling count may hold long splits). A function of the padded size and the
+    count, so a graph and the eager steps of its key sum alike."""
+    if device.type != "cuda":
+        return None
+    full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
+    return SHORT_SPLIT_BLOCK_N if 1 < num_splits < full else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -250,6 +263,9 @@ class DecodeGraphs:
             is_decode_only=decode,
             verify_query_len=0 if decode or self.prefill else self.query_len,
             num_splits=splits,
+            decode_block_n=None if splits is None else decode_block_n(
+                bs, self.max_num_seqs, self.num_kv_heads, self.max_len, self.buffer.device,
+                splits),
             shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
         self.metadata[bs, shared, splits] = md

@@ -152,13 +152,13 @@ class ModelRunner:
         x = device_inputs(h, self.device, self.mtp is not None)
         md = x.metadata
         if (md.is_decode_only or md.verify_query_len) and self.device.type == "cuda":
-            from tinyserve.graphs import decode_num_splits
+            from tinyserve.graphs import decode_block_n, decode_num_splits
 
-            mc = self.model_config
-            md.num_splits = decode_num_splits(
-                len(h.q_lens), self.config.max_num_seqs, mc.num_key_value_heads,
-                self.max_blocks_per_seq * self.block_size, self.device, max(h.ctx_lens),
-            )  # fmt: skip
+            shape = (len(h.q_lens), self.config.max_num_seqs,
+                     self.model_config.num_key_value_heads,
+                     self.max_blocks_per_seq * self.block_size, self.device)  # fmt: skip
+            md.num_splits = decode_num_splits(*shape, max(h.ctx_lens))
+            md.decode_block_n = decode_block_n(*shape, md.num_splits)
         return x
 
     def _graphs_for(self, h: HostInputs):

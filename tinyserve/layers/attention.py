@@ -39,6 +39,7 @@ class AttentionMetadata:
     # (graphs.decode_num_splits), so that eager and CUDA-graph steps sum in the same order
     # (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
+    decode_block_n: int | None = None  # its key tile (graphs.decode_block_n); None: the default
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU path, set lazily
     # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
     # cascade path (kernels/decode_attention.py); the torch path attends row by row anyway.
@@ -199,6 +200,7 @@ class Attention(nn.Module):
             return decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
                 max_context_len=md.max_context_len or None, num_splits=md.num_splits,
+                block_n=md.decode_block_n,
                 shared_chunks=md.shared_prefix[0] if md.shared_prefix else None,
                 shared_lens=md.shared_prefix[1] if md.shared_prefix else None,
                 query_len=md.verify_query_len or 1,
