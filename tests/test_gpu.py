@@ -253,7 +253,7 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_on
 def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path, token_map):
     """The drafting graph replayed after a verify graph proposes what the eager MTP pass does
     (fp32; a split-count difference in the chained attention may flip a rare near-tie). The
-    verify graphs take the split count of the context (12 to ~80 keys: 1 and 2), and the one
+    verify graphs take the split count of the context (12 to ~80 keys: 1 and 4), and the one
     drafting graph of a size reads the hidden states of whichever ran. With a token map, the
     graphs draft its ids only."""
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
@@ -280,7 +280,7 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path, token_map
             drafts.append(sorted((s.seq_id, tuple(s.draft_ids)) for s in engine.scheduler.running))
         if not eager:
             assert engine.runner.verify_graphs.num_replays > 10
-            assert {1, 2} <= splits, splits
+            assert {1, 4} <= splits, splits
         seen.append(drafts)
         del llm, engine
         gc.collect()
