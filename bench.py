@@ -861,6 +861,13 @@ def _first_token_ms(llm, prompt: list[int], repeats: int = 5) -> float:
     return min(times) * 1e3
 
 
+def _batch1_replay_ms(graphs) -> dict[int, float]:
+    """ms a replay of each batch-1 decode graph, by split count. A function of its own: a local
+    reference to the graph set would keep the model and its KV pool alive past `del llm`
+    (transformers then ran out of memory beside it)."""
+    return {key[2]: round(_time_replays(g), 4) for key, g in graphs.graphs.items() if key[0] == 1}
+
+
 def bench_e2e(args) -> dict:
     """latency: batch 1, 32 in / 256 out. throughput: nano-vllm (256 seqs, in/out U[100,1024]),
     decode-heavy (128 x 32/2048), prefill-heavy (32 x 4096/32). hf64: batch 64, 512/256, next
@@ -904,10 +911,8 @@ def bench_e2e(args) -> dict:
             # batch-1 graph alone (the rest of a decode step runs outside it), per split count
             # (the run's last context, 288 keys, in each; steps pick 1-4 splits as it grows).
             r["first_token_ms"] = _first_token_ms(llm, ids(32))
-            graphs = llm.engine.runner.graphs
-            if graphs is not None:
-                one = {key[2]: g for key, g in graphs.graphs.items() if key[0] == 1}
-                r["graph_replay_ms"] = {s: round(_time_replays(g), 4) for s, g in one.items()}
+            if llm.engine.runner.graphs is not None:
+                r["graph_replay_ms"] = _batch1_replay_ms(llm.engine.runner.graphs)
             print({k: r.get(k) for k in ("first_token_ms", "graph_replay_ms")}, flush=True)
         elif name == "nano-vllm":
             lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
@@ -924,6 +929,7 @@ def bench_e2e(args) -> dict:
 
         gc.collect()
         torch.cuda.empty_cache()
+        print({"gpu_GiB_still_allocated": torch.cuda.memory_allocated() / 2**30}, flush=True)
         hf = _hf_model(path, torch.bfloat16)
         for r in res["rows"]:
             if r["workload"] == "latency":
