@@ -336,6 +336,45 @@ def test_attention_match_layer_references():
     assert_rel(out, layer_decode(qd, k_cache, v_cache, md, 0.1), F32)
 
 
+def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
+    """A decode step's split count and key tile (graphs.decode_num_splits / decode_block_n, in
+    the metadata) reach the Triton decode kernel through the layer, with the oracle's output."""
+    from types import SimpleNamespace
+
+    from tinyserve.layers import attention as layer
+
+    lens, block_size = [40, 70], 16
+    k_cache, v_cache, table, context_lens = paged_cache(2, lens, 2, 64, block_size, F32)
+    last = [n - 1 for n in lens]
+    slots = [int(table[b, p // block_size]) * block_size + p % block_size
+             for b, p in enumerate(last)]  # fmt: skip
+    md = layer.AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_tables=table,
+        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+        context_lens=context_lens,
+        query_lens_cpu=[1, 1],
+        context_lens_cpu=lens,
+        max_context_len=max(lens),
+        is_decode_only=True,
+        num_splits=4,
+        decode_block_n=32,
+    )
+    rope = SimpleNamespace(positions=torch.tensor(last, device=DEVICE),
+                           cos_sin_cache=randn(128, 64))  # fmt: skip
+    attn = layer.Attention(num_heads=8, head_dim=64, scale=0.1, num_kv_heads=2)
+    attn.k_cache, attn.v_cache = k_cache, v_cache
+    calls, kernel = [], layer.decode_attention
+    monkeypatch.setattr(layer, "decode_attention",
+                        lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))  # fmt: skip
+    qkv = randn(2, (8 + 2 * 2) * 64)
+    with layer.forward_context(md):
+        out = attn._forward_triton(qkv, rope, None, None)
+    assert [(c["num_splits"], c["block_n"]) for c in calls] == [(4, 32)]
+    q = qkv[:, : 8 * 64].view(2, 8, 64)  # rotated in place by the layer
+    assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.1), F32)
+
+
 # --------------------------------------------------------------------------- small ops
 
 
