@@ -415,7 +415,10 @@ def _bench_small_ops(res) -> None:
                                ("down", 4096, 14336), ("lm_head", 128256, 4096)]}  # fmt: skip
     for model, layers in shapes.items():
         for name, n, k in layers:
-            for m in (1, 2, 4, 8, 16, 32):  # gemv_method: stream, dot up to 32 rows
+            # gemv_method: stream, dot up to 32 rows (64 for gate_up / LM heads of 1B+ models),
+            # split-K dot for down up to 128
+            more = {"down": (64, 128), "gate_up": (64,), "lm_head": (64,)}.get(name, ())
+            for m in (1, 2, 4, 8, 16, 32) + more:
                 shape, nbytes = f"{model} {name} M={m} {n}x{k}", (n * k + m * (n + k)) * 2
                 gemv_set = lambda n=n, k=k, m=m: (rnd(m, k), rnd(n, k) * 0.05)  # noqa: E731
                 _kernel_row(res, "gemv", shape, nbytes, 2 * m * n * k, gemv_set, gemv,

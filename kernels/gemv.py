@@ -3,8 +3,10 @@
 Both variants stream W once, coalesced, with float32 accumulation: "stream" gives each program
 BLOCK_N rows of W and multiplies on the CUDA cores (one or two rows of x); "dot" runs a
 BLOCK_N x BLOCK_K tile of W against x padded to 16 or 32 rows on the tensor cores, with a deep
-pipeline. `gemv_method` says which one (or cuBLAS) a shape takes. Split-K was measured and
-dropped: it lost 5-45% at every Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
+pipeline; its "split" form also divides K among programs (float32 partials, then a fixed-order
+sum), which fills the SMs for down projections at 33-128 rows. `gemv_method` says which one (or
+cuBLAS) a shape takes. Split-K at 1-32 rows was measured and dropped: it lost 5-45% at every
+Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from ._common import (
     shared_memory,
 )
 
-MAX_ROWS = 32  # the dot kernel's: at 48-64 rows it lost up to 29% to cuBLAS (H100)
+MAX_ROWS = 32  # the dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS (H100)
+WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it wins to 64 rows
+MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
+MAX_SPLIT_ROWS = 128  # the split-K form's, for down projections (measured at 64 and 128 rows)
 MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
 
 
@@ -129,18 +134,27 @@ def _gemv_stream_kernel(
 
 @triton.jit
 def _gemv_dot_kernel(
-    x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """SPLIT: program (i, s) sums K range s (K_PER_SPLIT wide, whole tiles) into float32
+    partials y[s] (M x N each, stride_ym); `_split_reduce_kernel` adds them up."""
     pdl_sync(USE_PDL)
     m = tl.arange(0, BLOCK_M)  # x padded to a tensor-core tile (16 rows at least)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_c = tl.minimum(m, M - 1)
     n_c = tl.minimum(n, N - 1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(1) * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        y_ptr += tl.program_id(1).to(tl.int64) * M * stride_ym
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x batch rows
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         w_ptrs = w_ptr + n_c[:, None] * stride_wn + k[None, :]
         x_ptrs = x_ptr + m_c[:, None] * stride_xm + k[None, :]
@@ -158,6 +172,25 @@ def _gemv_dot_kernel(
         acc += tl.load(b_ptr + n_c).to(tl.float32)[:, None]
     y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))
+
+
+@triton.jit
+def _split_reduce_kernel(
+    p_ptr, y_ptr, b_ptr, M, N, stride_ym,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """y[m] = sum over s of the partials p[s, m] (+ bias), in a fixed order (deterministic)."""
+    pdl_sync(USE_PDL)
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    p_ptrs = p_ptr + row * N + n
+    acc = tl.load(p_ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptrs + s * M * N, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 0
@@ -204,14 +237,35 @@ def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     return block_n, block_k, min(5, smem // ((block_n + rows) * block_k * dtype.itemsize))
 
 
+def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[int, int, int, int]:  # fmt: skip
+    """(BLOCK_N, BLOCK_K, stages, splits) of the split-K dot kernel: 64 x 128 W tiles, 4
+    stages, K split in up to 4 so the grid fills the SMs once. H100 sweep, bf16, M = 64 / 128,
+    us against cuBLAS (which splits K itself at 64 rows): MiMo-7B down 36.8 / 39.3 vs 38.6 /
+    41.3, Llama-3.1-8B down 46.1 / 50.1 vs 48.6 / 54.1, Llama-3.2-1B down 15.6 / 17.9 vs 18.0 /
+    19.7, Qwen3-0.6B down 6.2 / 7.4 vs 8.4 / 7.5 (BENCHMARKS.md, fifteenth session)."""
+    block_n, block_k, rows = 64, 128, max(16, next_pow2(m))
+    smem = shared_memory(device)
+    while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
+        block_k //= 2
+    stages = min(4, smem // ((block_n + rows) * block_k * dtype.itemsize))
+    splits = max(1, min(4, num_sms(device) // triton.cdiv(n, block_n)))
+    return block_n, block_k, stages, splits
+
+
 def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
     out, down: 4-30% over the dot kernel); "dot" for the rest up to MAX_ROWS rows, 1-40% over
-    cuBLAS at Qwen3-0.6B to Llama-3.1-8B shapes; None (cuBLAS) above."""
+    cuBLAS at Qwen3-0.6B to Llama-3.1-8B shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N
+    (48-64 rows: gate_up 2-4%, LM heads 5-7% over cuBLAS); "split" (split-K dot) for down
+    projections (K > 2N) up to MAX_SPLIT_ROWS rows, 2-26% over cuBLAS; None (cuBLAS) for the
+    rest."""
     if m == 1 or (m == 2 and n <= k):
         return "stream"
-    return "dot" if m <= MAX_ROWS else None
+    if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
+        return "dot"
+    return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None
 
 
 def norm_prologue_pays(k: int) -> bool:
@@ -237,19 +291,25 @@ def gemv(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """x (M, K) with M <= MAX_ROWS, weight (N, K) -> (M, N) in x's dtype, or float32 into a float32
-    `out` (rounded once, from the float32 accumulator), + bias (N,). `method`: "stream" or "dot"
-    (default: `gemv_method`'s choice, or "stream" for a prologue).
+    """x (M, K) with M <= MAX_DOT_ROWS (MAX_SPLIT_ROWS for "split"), weight (N, K) -> (M, N) in x's
+    dtype, or float32 into a float32 `out` (rounded once, from the float32 sum), + bias (N,).
+    `method`: "stream", "dot" or "split" (default: `gemv_method`'s choice, or "stream" for a
+    prologue).
 
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
     `norm=(norm_weight (K,), eps)` multiplies RMSNorm(x + residual) instead of x and writes
     x + residual to `residual_out` (must not alias x or residual); `gated=True` takes x as
-    [gate | up] (M, 2K) and multiplies silu(gate) * up."""
+    [gate | up] (M, 2K) and multiplies silu(gate) * up. `block_n`, `block_k`, `num_warps`,
+    `num_stages`, `num_splits` (split only) override the tuned configuration."""
     check(x.dim() == 2 and weight.dim() == 2, "x must be (M, K), W (N, K)")
     (m, kx), (n, k) = x.shape, weight.shape
     check(kx == (2 * k if gated else k), f"x has {kx} columns, W {k}" + (" (x2: gated)" * gated))
-    check(1 <= m <= MAX_ROWS, f"gemv is for 1..{MAX_ROWS} rows, got {m}")
+    if method is None and not (gated or norm is not None):
+        method = gemv_method(m, n, k) or "dot"  # cuBLAS's shapes: the row check below says so
+    max_rows = MAX_SPLIT_ROWS if method == "split" else MAX_DOT_ROWS
+    check(1 <= m <= max_rows, f"gemv {method or 'stream'} is for 1..{max_rows} rows, got {m}")
     check(x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype, "x and W: one float dtype")
     check(x.stride(1) == 1 and weight.stride(1) == 1, "x and W need a contiguous last dim")
     tensors = [x, weight]
@@ -281,11 +341,10 @@ def gemv(
     else:
         check(residual is None, "a residual needs the norm prologue")
     check(len({t.device for t in tensors}) == 1, "all inputs on one device")
-    if method is None:
-        method = "stream" if prologue else gemv_method(m, n, k)
-    check(method in ("stream", "dot"), f"unknown method {method!r}")
-    check(method == "dot" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
-    check(method == "stream" or not prologue, "dot has no prologue")
+    method = method or "stream"  # unset only with a prologue
+    check(method in ("stream", "dot", "split"), f"unknown method {method!r}")
+    check(method != "stream" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
+    check(method == "stream" or not prologue, f"{method} has no prologue")
     args = (x, weight, out)
     sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0))
     if method == "stream":
@@ -299,14 +358,34 @@ def gemv(
             HAS_BIAS=bias is not None,
             num_warps=num_warps, num_stages=num_stages or 3, **pdl(x.device),
         )  # fmt: skip
-    else:
+    elif method == "dot":
         cfg_n, cfg_k, cfg_stages = dot_config(m, n, k, x.dtype, x.device)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
-        _gemv_dot_kernel[(triton.cdiv(n, block_n),)](
-            *args, bias if bias is not None else x, *sizes, BLOCK_M=max(16, next_pow2(m)),
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        _gemv_dot_kernel[(triton.cdiv(n, block_n), 1)](
+            x, weight, out, bias if bias is not None else x, m, n, k, k, x.stride(0),
+            weight.stride(0), out.stride(0), BLOCK_M=max(16, next_pow2(m)),
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SPLIT=False,
             HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
             num_warps=num_warps, num_stages=num_stages or cfg_stages, **pdl(x.device),
+        )  # fmt: skip
+    else:
+        cfg_n, cfg_k, cfg_stages, splits = split_config(m, n, k, x.dtype, x.device)
+        block_n, block_k = block_n or cfg_n, block_k or cfg_k
+        per_split = triton.cdiv(triton.cdiv(k, num_splits or splits), block_k)
+        per_split *= block_k  # whole tiles, so only the last split's last tile is partial
+        splits = triton.cdiv(k, per_split)
+        partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        _gemv_dot_kernel[(triton.cdiv(n, block_n), splits)](
+            x, weight, partials, x, m, n, k, per_split, x.stride(0), weight.stride(0), n,
+            BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, SPLIT=True, HAS_BIAS=False,
+            PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
+            num_warps=num_warps, num_stages=num_stages or cfg_stages, **pdl(x.device),
+        )  # fmt: skip
+        block = min(1024, next_pow2(n))
+        _split_reduce_kernel[(m, triton.cdiv(n, block))](
+            partials, out, bias if bias is not None else x, m, n, out.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl(x.device),
         )  # fmt: skip
     return out
 

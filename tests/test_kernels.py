@@ -28,6 +28,7 @@ from tinyserve.kernels.gemv import (  # noqa: E402
     gemv,
     gemv_method,
     gemv_ref,
+    split_config,
     stream_config,
 )
 from tinyserve.kernels.prefill_attention import (  # noqa: E402
@@ -476,7 +477,16 @@ def test_silu_mul(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("m", "method"),
-    [(1, None), (2, None), (3, None), (3, "stream"), (16, None), (17, None), (32, "dot")],
+    [
+        (1, None),
+        (2, None),
+        (3, None),
+        (3, "stream"),
+        (16, None),
+        (17, None),
+        (32, "dot"),
+        (48, "dot"),
+    ],
 )
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 @pytest.mark.parametrize("k", [1000, 100])
@@ -502,6 +512,21 @@ def test_gemv_bias(dtype, m, method):
     assert_rel(out, gemv_ref(x.double(), w.double(), bias=bias.double()), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "k", "num_splits"), [(33, 1000, None), (100, 300, 3), (128, 1000, 1)]
+)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_gemv_split(dtype, m, k, num_splits, out_dtype):
+    """Split-K: float32 partials over whole K tiles (the last split ends in a partial tile at
+    K = 300 and 1000), summed with the bias once; 33 rows pad x to 64, 100 to 128."""
+    n = 37
+    x, w, bias = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype), randn(n, dtype=dtype)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype or dtype, device=DEVICE)
+    assert gemv(x, w, out, bias=bias, method="split", block_k=128, num_splits=num_splits) is out
+    assert_rel(out, gemv_ref(x.double(), w.double(), bias=bias.double()), out_dtype or dtype)
+
+
 def test_gemv_method_and_dot_config(monkeypatch):
     """One row streams; two rows stream only W with N <= K (attention out, down); the rest up to
     32 rows take the dot kernel, and cuBLAS above. The dot tile is the widest that gives every
@@ -509,6 +534,12 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
     assert gemv_method(2, 6144, 4096) == gemv_method(16, 4096, 11008) == "dot"
     assert gemv_method(32, 1024, 1024) == "dot" and gemv_method(33, 1024, 1024) is None
+    # 33..64 rows: dot for wide W only (gate_up of 1B-8B models, LM heads).
+    assert gemv_method(48, 22016, 4096) == gemv_method(64, 151936, 1024) == "dot"
+    assert gemv_method(65, 151936, 1024) is None and gemv_method(64, 6144, 4096) is None
+    # 33..128 rows: split-K for down projections (K > 2N) only; eh_proj (K = 2N) lost at 128.
+    assert gemv_method(33, 1024, 3072) == gemv_method(128, 4096, 11008) == "split"
+    assert gemv_method(64, 4096, 8192) is None and gemv_method(129, 4096, 11008) is None
     h100 = torch.device("cpu")  # the interpreter stands in for 4 SMs and an H100's 227 KB
     assert dot_config(2, 1024, 1024, torch.bfloat16, h100)[:2] == (128, 128)
     assert dot_config(2, 128, 1024, torch.bfloat16, h100)[:2] == (64, 128)
@@ -521,6 +552,13 @@ def test_gemv_method_and_dot_config(monkeypatch):
     monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 101376)
     assert dot_config(32, 1024, 1024, torch.float32, h100) == (128, 64, 2)
     assert dot_config(2, 1024, 1024, torch.bfloat16, h100) == (128, 128, 2)
+    # Split-K: 64 x 128 tiles; K split so the grid fills an H100's 132 SMs once, at most 4 ways.
+    monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 232448)
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    assert split_config(128, 4096, 11008, torch.bfloat16, h100) == (64, 128, 4, 2)
+    assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 4, 4)
+    assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 4, 4)
+    assert split_config(64, 8192, 28672, torch.bfloat16, h100)[3] == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -814,8 +852,10 @@ def test_launchers_reject_bad_inputs():
         mqa_cache = k_cache[:, :, :1].contiguous()
         decode_attention(randn(2, 128, 64), mqa_cache, mqa_cache, table, lens, 0.1,
                          shared_chunks=chunks, shared_lens=skip)  # fmt: skip
-    with pytest.raises(ValueError, match="rows"):
-        gemv(randn(33, 64), randn(8, 64))
+    with pytest.raises(ValueError, match="1..64 rows"):
+        gemv(randn(65, 64), randn(64, 64))  # K <= 2N: no split-K, and too many rows for dot
+    with pytest.raises(ValueError, match="1..128 rows"):
+        gemv(randn(129, 64), randn(8, 64), method="split")
     with pytest.raises(ValueError, match="stream is for"):
         gemv(randn(17, 64), randn(8, 64), method="stream")
     with pytest.raises(ValueError, match="method"):
@@ -899,6 +939,34 @@ def test_gemv_gpu(shape, m):
         out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
         gemv(x, w, out, method=method)
         assert_rel(out, ref, BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)])
+@pytest.mark.parametrize("m", [33, 64, 100, 128])
+def test_gemv_split_gpu(shape, m):
+    """The down projections at 33-128 rows, where gemv_method picks split-K."""
+    n, k = shape
+    x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
+    out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
+    assert gemv_method(m, n, k) == "split"
+    gemv(x, w, out)
+    assert_rel(out, gemv_ref(x.float(), w.float()), BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(151936, 1024), (28672, 4096), (16384, 2048)])
+@pytest.mark.parametrize("m", [33, 64])
+def test_gemv_wide_gpu(shape, m):
+    """Wide W (LM heads, gate_up) at 33-64 rows, where gemv_method picks the dot kernel."""
+    n, k = shape
+    x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
+    out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
+    assert gemv_method(m, n, k) == "dot"
+    gemv(x, w, out)
+    assert_rel(out, gemv_ref(x.float(), w.float()), BF16)
 
 
 @gpu
