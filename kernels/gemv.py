@@ -231,10 +231,17 @@ def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     while block_n > 32 and triton.cdiv(n, block_n) < num_sms(device) // 2:
         block_n //= 2
     block_k = 256 if block_n == 32 else 128
+    return block_n, *_fit_pipeline(m, block_n, block_k, dtype, device, max_stages=5)
+
+
+def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device: torch.device,
+                  max_stages: int) -> tuple[int, int]:  # fmt: skip
+    """(BLOCK_K, stages) of a dot tile: BLOCK_K halved until two stages of W and x tiles fit in
+    shared memory (float32 at 32 rows on a 100 KB consumer card), then as many stages as fit."""
     smem, rows = shared_memory(device), max(16, next_pow2(m))
     while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
-        block_k //= 2  # two stages must fit: float32 at 32 rows on a 100 KB consumer card
-    return block_n, block_k, min(5, smem // ((block_n + rows) * block_k * dtype.itemsize))
+        block_k //= 2
+    return block_k, min(max_stages, smem // ((block_n + rows) * block_k * dtype.itemsize))
 
 
 def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
@@ -244,11 +251,8 @@ def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devic
     us against cuBLAS (which splits K itself at 64 rows): MiMo-7B down 36.8 / 39.3 vs 38.6 /
     41.3, Llama-3.1-8B down 46.1 / 50.1 vs 48.6 / 54.1, Llama-3.2-1B down 15.6 / 17.9 vs 18.0 /
     19.7, Qwen3-0.6B down 6.2 / 7.4 vs 8.4 / 7.5 (BENCHMARKS.md, fifteenth session)."""
-    block_n, block_k, rows = 64, 128, max(16, next_pow2(m))
-    smem = shared_memory(device)
-    while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
-        block_k //= 2
-    stages = min(4, smem // ((block_n + rows) * block_k * dtype.itemsize))
+    block_n = 64
+    block_k, stages = _fit_pipeline(m, block_n, 128, dtype, device, max_stages=4)
     splits = max(1, min(4, num_sms(device) // triton.cdiv(n, block_n)))
     return block_n, block_k, stages, splits
 
@@ -306,10 +310,10 @@ def gemv(
     check(x.dim() == 2 and weight.dim() == 2, "x must be (M, K), W (N, K)")
     (m, kx), (n, k) = x.shape, weight.shape
     check(kx == (2 * k if gated else k), f"x has {kx} columns, W {k}" + (" (x2: gated)" * gated))
-    if method is None and not (gated or norm is not None):
-        method = gemv_method(m, n, k) or "dot"  # cuBLAS's shapes: the row check below says so
+    if method is None:  # a prologue streams; cuBLAS's shapes: the row check below says so
+        method = "stream" if gated or norm is not None else gemv_method(m, n, k) or "dot"
     max_rows = MAX_SPLIT_ROWS if method == "split" else MAX_DOT_ROWS
-    check(1 <= m <= max_rows, f"gemv {method or 'stream'} is for 1..{max_rows} rows, got {m}")
+    check(1 <= m <= max_rows, f"gemv {method} is for 1..{max_rows} rows, got {m}")
     check(x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype, "x and W: one float dtype")
     check(x.stride(1) == 1 and weight.stride(1) == 1, "x and W need a contiguous last dim")
     tensors = [x, weight]
@@ -341,7 +345,6 @@ def gemv(
     else:
         check(residual is None, "a residual needs the norm prologue")
     check(len({t.device for t in tensors}) == 1, "all inputs on one device")
-    method = method or "stream"  # unset only with a prologue
     check(method in ("stream", "dot", "split"), f"unknown method {method!r}")
     check(method != "stream" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
     check(method == "stream" or not prologue, f"{method} has no prologue")

@@ -943,28 +943,19 @@ def test_gemv_gpu(shape, m):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)])
-@pytest.mark.parametrize("m", [33, 64, 100, 128])
-def test_gemv_split_gpu(shape, m):
-    """The down projections at 33-128 rows, where gemv_method picks split-K."""
+@pytest.mark.parametrize(
+    ("shape", "m", "method"),
+    [(s, m, "split") for s in [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)]
+     for m in (33, 64, 100, 128)]
+    + [(s, m, "dot") for s in [(151936, 1024), (28672, 4096), (16384, 2048)] for m in (33, 64)],
+)  # fmt: skip
+def test_gemv_many_rows_gpu(shape, m, method):
+    """Above 32 rows: down projections (to 128 rows) take split-K, wide W (LM heads, gate_up; to
+    64 rows) the dot kernel."""
     n, k = shape
     x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
     out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
-    assert gemv_method(m, n, k) == "split"
-    gemv(x, w, out)
-    assert_rel(out, gemv_ref(x.float(), w.float()), BF16)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(151936, 1024), (28672, 4096), (16384, 2048)])
-@pytest.mark.parametrize("m", [33, 64])
-def test_gemv_wide_gpu(shape, m):
-    """Wide W (LM heads, gate_up) at 33-64 rows, where gemv_method picks the dot kernel."""
-    n, k = shape
-    x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
-    out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
-    assert gemv_method(m, n, k) == "dot"
+    assert gemv_method(m, n, k) == method
     gemv(x, w, out)
     assert_rel(out, gemv_ref(x.float(), w.float()), BF16)
 
