@@ -986,8 +986,8 @@ def bench_spec(args) -> dict:
             with open(token_map, "w") as f:
                 json.dump(list(range(draft_vocab)), f)
         llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=max(args.batches), **spec)
-        # As served: MTP steps leave enough objects for a gen-0 collection each, and every ~100
-        # steps a full one took 90-130 ms (H100 host, batch 64), stalling the GPU (+5-14%).
+        # As served (cli.py freezes the start-up heap): a full collection over it took 90-130 ms
+        # on the H100 host, a stall of the GPU that once landed in these rows (BENCHMARKS.md).
         _as_served(llm.engine)
         for b in args.batches:
             n_in = args.prompt_len

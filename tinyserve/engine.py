@@ -339,8 +339,10 @@ class LLMEngine:
             out = seq.output_ids
             return [SamplingRow(p, seq.seed, seq.prompt_ids, out + drafts[:j])
                     for j in range(len(drafts) + 1)]  # fmt: skip
+        # Empty tuples, not lists: no objects for the collector to track, which at 64 MTP rows
+        # a step (two rows each) ran a gen-0 collection every step (BENCHMARKS.md).
         n = seq.num_output_tokens
-        return [SamplingRow(p, seq.seed, [], [], step=n + j) for j in range(len(drafts) + 1)]
+        return [SamplingRow(p, seq.seed, (), (), step=n + j) for j in range(len(drafts) + 1)]
 
     def _append_tokens(self, seq: Sequence, outs) -> tuple[str | None, tuple]:
         """Append a step's verified tokens up to the first stop; returns the finish reason and

@@ -138,8 +138,8 @@ class SamplingRow:
 
     params: SamplingParams
     seed: int  # the request seed (the engine draws one when params.seed is None)
-    prompt_ids: list[int]  # repetition_penalty applies to prompt + output (as HF / vLLM)
-    output_ids: list[int]  # generated so far (only read when a penalty needs them)
+    prompt_ids: Sequence[int]  # repetition_penalty applies to prompt + output (as HF / vLLM)
+    output_ids: Sequence[int]  # generated so far (only read when a penalty needs them)
     step: int | None = None  # tokens generated so far (the RNG counter); None: len(output_ids)
 
     @property
