@@ -239,7 +239,7 @@ def _shared_prefix_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(
+def merge_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -393,7 +393,7 @@ def decode_attention(
         num_stages=num_stages or (2 if q.dtype == torch.float32 else 3),  # fp32 tiles: 2x smem
     )  # fmt: skip
     if total > 1:
-        _merge_kernel[(q_rows, num_heads)](
+        merge_kernel[(q_rows, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), total,
             BLOCK_S=max(16, next_pow2(total)), HEAD_DIM=head_dim,  # one variant up to 16
             num_warps=4 if head_dim >= 128 else 2, **pdl(q.device),

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_paged, dot_precision, is_interpreter, next_pow2
+from ._common import check, check_paged, dot_precision, is_interpreter, next_pow2, num_sms
+from .decode_attention import merge_kernel
 
 
 @triton.jit
@@ -46,11 +47,15 @@ def _attend_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
     if MASKED:
         qk = tl.where((n[None, :] <= pos[:, None]) & n_mask[None, :], qk, float("-inf"))
-    # Finite: key 0 is visible to every row and is in the first tile. The scale folds into
-    # one FMA per score: exp2(qk * scale * log2(e) - m).
+    # The scale folds into one FMA per score: exp2(qk * scale * log2(e) - m). Unmasked tiles
+    # hold keys every row sees, so m is finite there; in a masked tile of a key split a row may
+    # see no key yet: keep exp2 away from -inf - -inf.
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2e)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * scale_log2e - m_new[:, None])
+    m_use = m_new
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk * scale_log2e - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(v.dtype)  # P @ V in the cache dtype, fp32 accumulate
     if UPCAST:
@@ -60,17 +65,20 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The split count and the table stride (the step's widest table) are runtime arguments: one
+# compiled variant for every value, so none compiles mid-run.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
-    scale_log2e,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, part_ptr, lse_ptr,
+    scale_log2e, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
     # Query tiles are the slowest grid axis, reversed: the longest (causal) tiles start first.
     q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -107,21 +115,57 @@ def _prefill_kernel(
     # below key 0: inputs with context_len < q_len (a CUDA graph's warm-up on zeroed buffers)
     # must read nothing rather than table entries before the row.
     full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, 0)
-    for n0 in range(0, full_end, BLOCK_N):
+    # Key split `split` of num_splits: whole tiles, so tiles stay aligned to full_end.
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_end)
+    for n0 in range(lo, tl.minimum(full_end, hi), BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, k_base, v_base, bt_row, pos, kv_end, d, scale_log2e,
             stride_kb, stride_ks, stride_vb, stride_vs,
             BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST,
         )  # fmt: skip
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(tl.maximum(full_end, lo), hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, k_base, v_base, bt_row, pos, kv_end, d, scale_log2e,
             stride_kb, stride_ks, stride_vb, stride_vs,
             BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
         )  # fmt: skip
-    out = acc / l_i[:, None]
-    o_ptrs = out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    if ONE_PASS:  # key 0 is in every row's only split: l_i > 0
+        out = acc / l_i[:, None]
+        o_ptrs = (out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
+                  + d[None, :])  # fmt: skip
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        # part (T, Hq, num_splits, D) and lse (T, Hq, num_splits), float32, as the decode
+        # kernel's merge pass reads them; a split a row sees no key of stores lse -inf.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        row = ((q_start + qi) * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
+                 mask=row_mask[:, None])  # fmt: skip
+        tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")),
+                 mask=row_mask)  # fmt: skip
+
+
+BLOCK_M = 64  # query rows (tokens x query heads of one kv head) of a tile on the GPU
+MIN_SPLIT_KEYS = 1024  # keys a split gets at least, so its programs outweigh the merge pass
+
+
+def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads: int,
+                       num_kv_heads: int, device: torch.device) -> int:  # fmt: skip
+    """Key splits for a step (host lists, no sync): each program attends one query tile over
+    its keys, so a chunk of a long prompt beside short rows is a few programs that each read
+    tens of thousands of keys while most SMs sit idle (H100, 64 decode rows + a 48-token chunk
+    at 32k keys, qwen3-0.6b heads: 16 such programs on 132 SMs). Cut the longest program's keys
+    until it holds no more than an even share of the step's key work over two programs an SM,
+    at most 16 ways and never below MIN_SPLIT_KEYS keys a split."""
+    if device.type != "cuda" or not context_lens:
+        return 1
+    block_q = BLOCK_M // next_pow2(num_heads // num_kv_heads)
+    work = sum(-(-n // block_q) * c for n, c in zip(query_lens, context_lens)) * num_kv_heads
+    longest = max(context_lens)
+    splits = -(-longest * 2 * num_sms(device) // max(work, 1))
+    return max(1, min(splits, 16, longest // MIN_SPLIT_KEYS))
 
 
 def prefill_attention(
@@ -135,13 +179,16 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    num_splits: int = 1,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D) -> out (T, Hq, D). `max_query_len` is the host-side max of the query lengths
-    (sizes the grid without a sync); rows of q past cu_seqlens_q[-1] are left untouched."""
+    (sizes the grid without a sync); rows of q past cu_seqlens_q[-1] are left untouched with one
+    split, zeroed with more. `num_splits` > 1 cuts each query tile's keys into that many ranges
+    attended by separate programs and merged by log-sum-exp (`prefill_num_splits`)."""
     check(q.dim() == 3 and k_cache.dim() == 4, "q must be (T, Hq, D), caches (N, bs, Hkv, D)")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -157,6 +204,7 @@ def prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
+    check(num_splits >= 1, "num_splits must be >= 1")
     if batch == 0 or num_tokens == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
@@ -164,24 +212,37 @@ def prefill_attention(
     interp = is_interpreter()
     # 64 x 64 tiles, 4 warps: the best of 6 configs on H100 (bf16, Llama-3.1-8B heads) for
     # mixed decode + prefill batches, within 1-2% of 128 x 128 / 8 warps on pure prefill.
-    block_m = max(block_m or (16 if interp else 64), 16, g_pad)
+    block_m = max(block_m or (16 if interp else BLOCK_M), 16, g_pad)
     block_q = block_m // g_pad
     block_n = block_n or (16 if interp else 64)
     fp32 = q.dtype == torch.float32  # twice the shared memory per pipeline stage
-    grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    if num_splits > 1:
+        part = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device,
+                           dtype=torch.float32)  # fmt: skip
+        # Rows past cu_seqlens_q[-1] are never written: -inf makes the merge give them zeros.
+        lse = torch.full((num_tokens, num_heads, num_splits), float("-inf"), device=q.device)
+    else:
+        part = lse = out  # unused by the kernel
+    grid = (batch * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        scale * math.log2(math.e),
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, part, lse,
+        scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), UPCAST=interp,
+        ONE_PASS=num_splits == 1, PRECISION=dot_precision(q.dtype), UPCAST=interp,
         num_warps=num_warps or (8 if block_m >= 128 else 4),
         num_stages=num_stages or (2 if fp32 else 3),
     )  # fmt: skip
+    if num_splits > 1:
+        merge_kernel[(num_tokens, num_heads)](
+            part, lse, out, out.stride(0), out.stride(1), num_splits,
+            BLOCK_S=max(16, next_pow2(num_splits)), HEAD_DIM=head_dim,
+            num_warps=4 if head_dim >= 128 else 2, USE_PDL=False,
+        )  # fmt: skip
     return out
 
 

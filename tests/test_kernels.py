@@ -310,6 +310,39 @@ def test_prefill_attention_mixed_batch(dtype, case):
     assert_rel(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_prefill_attention_key_splits(dtype, num_splits):
+    """Key splits merge to the one-pass result: splits that end inside the causal (masked) part,
+    splits a row sees no key of, empty splits of short rows, and rows past the last sequence
+    (zeroed)."""
+    query_lens, lens = [1, 40, 3, 6], [70, 100, 3, 6]  # decode, extend, prompt, short prompt
+    k_cache, v_cache, table, context_lens = paged_cache(4, lens, 2, 64, 16, dtype)
+    cu = torch.tensor([0, 1, 41, 44, 50], dtype=torch.int32, device=DEVICE)
+    q = randn(52, 8, 64, dtype=dtype)  # two rows past cu[-1]
+    out = poisoned(q)
+    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, max(query_lens), 0.1, out,
+                      num_splits=num_splits)  # fmt: skip
+    ref = prefill_attention_ref(q[:50], k_cache, v_cache, table, cu, context_lens, 0.1)
+    assert_rel(out[:50], ref, dtype)
+    assert torch.equal(out[50:], torch.zeros_like(out[50:]))
+
+
+def test_prefill_num_splits_fills_the_gpu_only_for_long_lone_tiles(monkeypatch):
+    from tinyserve.kernels import prefill_attention as pa
+
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    # 64 decode rows + a 48-token chunk at 32k keys (qwen3-0.6b heads, 32 queries a tile)
+    assert pa.prefill_num_splits([1] * 64 + [48], [600] * 64 + [32768], 16, 8, cuda) == 11
+    # a 448-token chunk at 32k: 112 long programs, fewer splits
+    assert pa.prefill_num_splits([1] * 64 + [448], [600] * 64 + [32768], 16, 8, cuda) == 3
+    # short contexts never split, nor a tile set that fills the GPU, nor the CPU
+    assert pa.prefill_num_splits([48], [1500], 16, 8, cuda) == 1
+    assert pa.prefill_num_splits([8192], [8192], 16, 8, cuda) == 1
+    assert pa.prefill_num_splits([48], [32768], 16, 8, torch.device("cpu")) == 1
+
+
 def test_attention_match_layer_references():
     """The kernels' oracles and the layers' torch path agree (same head mapping, same mask)."""
     from tinyserve.layers.attention import AttentionMetadata
@@ -972,6 +1005,28 @@ def test_prefill_attention_gpu_configs(block_m, block_n, num_warps):
     prefill_attention(q, k_cache, v_cache, table, cu, context_lens, 700, 0.1, out,
                       block_m=block_m, block_n=block_n, num_warps=num_warps)  # fmt: skip
     assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.1), BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [48, 448])
+def test_prefill_attention_key_splits_gpu(chunk):
+    """64 decode rows beside a chunk of a 32k-token prompt, with the split count the engine
+    picks (qwen3-0.6b heads)."""
+    from tinyserve.kernels.prefill_attention import prefill_num_splits
+
+    query_lens, lens = [1] * 64 + [chunk], [600] * 64 + [32768]
+    k_cache, v_cache, table, context_lens = paged_cache(65, lens, 8, 128, 16, BF16)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEVICE)  # fmt: skip
+    q = randn(sum(query_lens), 16, 128, dtype=BF16)
+    splits = prefill_num_splits(query_lens, lens, 16, 8, q.device)
+    assert splits > 1
+    out = poisoned(q)
+    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, chunk, 128**-0.5, out,
+                      num_splits=splits)  # fmt: skip
+    ref = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 128**-0.5)
+    assert_rel(out, ref, BF16)
 
 
 @gpu

@@ -159,7 +159,7 @@ def with_replayed_graphs(llm, shared_prefix: bool = False):
     r = llm.engine.runner
     r.graphs = DecodeGraphs(r.model, r.config.max_num_seqs, r.max_blocks_per_seq,
                             r.num_kv_blocks, r.block_size, capture=False,
-                            shared_prefix=shared_prefix)  # fmt: skip
+                            shared_prefix=shared_prefix, max_chunk=r.max_graph_chunk)  # fmt: skip
     r.capture_prefill_graphs(capture=False)
     return llm
 
@@ -280,6 +280,24 @@ def test_prefill_graphs_give_the_eager_outputs(model_dir, greedy_only):
         replays = sum(g.num_replays for g in llm.engine.runner.prefill_graphs.values())
         assert replays >= len(prompts)
         assert llm.engine.runner.prefill_graphs[16].num_replays > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_graphs_give_the_eager_outputs(model_dir, overlap):
+    """A long prompt chunked beside decoding sequences runs as mixed graphs (decode rows padded
+    to 1 / 2 / 4 / 7, the chunk to 16 / 32 tokens): the decode rows' tokens gathered from the
+    step before, the padding touching no one's KV, the chunk's last token sampled."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(8, VOCAB) for _ in range(n)] for n in (5, 3, 6, 4, 2, 160)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=40 - 5 * i,
+                             ignore_eos=True) for i in range(6)]  # fmt: skip
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=8, async_scheduling=overlap)
+    want = outputs(make_llm(model_dir, **kw), prompts, params)
+    llm = with_replayed_graphs(make_llm(model_dir, **kw))
+    assert outputs(llm, prompts, params) == want
+    mixed = llm.engine.runner.mixed_graphs
+    assert sorted(mixed) == [16, 32] and mixed[32].sizes == [1, 2, 4, 7]
+    assert mixed[32].num_replays >= 4 and mixed[16].num_replays >= 1
 
 
 def test_packed_to_device_views():

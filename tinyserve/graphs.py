@@ -26,6 +26,7 @@ import functools
 import numpy as np
 import torch
 
+from tinyserve.kernels.prefill_attention import prefill_num_splits
 from tinyserve.layers.attention import AttentionMetadata, forward_context
 from tinyserve.sampling import greedy
 from tinyserve.transfer import host_array
@@ -34,6 +35,21 @@ from tinyserve.transfer import host_array
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+def mixed_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode-row counts of mixed graphs (beside the chunk's sequence, so below max_num_seqs):
+    powers of two (a padded decode row costs one token's matmul rows, next to nothing beside a
+    prompt chunk), so there are few graphs to capture."""
+    n = max_num_seqs - 1
+    return sorted({1 << i for i in range(n.bit_length()) if 1 << i <= n} | ({n} if n else set()))
+
+
+# Key splits of a mixed graph's prompt chunk: 1, or MIXED_SPLITS once the step would take at
+# least MIXED_SPLIT_FROM (kernels.prefill_attention.prefill_num_splits; H100, qwen3-0.6b heads,
+# 64 decode rows beside a chunk at 32k keys: 48 tokens 891 -> ~300 us, 448 tokens 897 -> ~750).
+MIXED_SPLITS = 8
+MIXED_SPLIT_FROM = 4
 
 
 def padded_size(num_seqs: int, max_num_seqs: int) -> int:
@@ -146,45 +162,66 @@ class DecodeGraphs:
     """`prefill=True` captures one sequence of up to query_len prompt tokens instead (padded at
     the end; the logits are its last real token's only).
 
+    `mixed=True` captures decode rows beside one prompt chunk of up to query_len tokens (the
+    chunk last: a long prompt being chunked while other sequences decode; `share` is the decode
+    graph set, whose input buffer, sampled ids and block tables these graphs use, so that the
+    steps before and after gather each other's tokens). Tokens: the decode rows padded to the
+    size, then the chunk padded at its end; the decode kernel attends the decode rows and the
+    prefill kernel the chunk, so neither grid depends on the other. Its logits rows are the
+    sampled rows (the decode rows, then the chunk's last token where it samples).
+
     `capture=False` replays by running the same static-buffer forward eagerly: the CPU tests
     drive the runner's graph path with it (there are no CUDA graphs on the CPU)."""
 
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
                  block_size: int, query_len: int = 1, pool=None, capture: bool = True,
-                 prefill: bool = False, shared_prefix: bool = False) -> None:  # fmt: skip
+                 prefill: bool = False, shared_prefix: bool = False, mixed: bool = False,
+                 share: DecodeGraphs | None = None, max_chunk: int = 0) -> None:  # fmt: skip
         dev = next(model.parameters()).device
         self.model = model
         self.query_len = q = query_len
         self.prefill = prefill
-        self.sizes = [1] if prefill else graph_batch_sizes(max_num_seqs)
+        self.mixed = mixed
+        if prefill:
+            self.sizes = [1]
+        else:
+            self.sizes = (mixed_batch_sizes if mixed else graph_batch_sizes)(max_num_seqs)
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
         # One int64 buffer: the last step's sampled ids (n * q), then a replay's inputs, laid
-        # out per padded size bs (m = bs * q): ids (m), gather index (m), positions (m), slots
-        # (m), logits rows (bs; prefill only), context lengths (bs int32s in bs / 2 int64s).
-        # The graph's input ids are buffer[gather]: a host-known id points at its own entry, a
-        # token still on the device at the previous step's sampled row.
-        self.base = n * q
-        self.buffer = torch.zeros(self.base + 4 * n * q + 2 * n, dtype=torch.long, device=dev)
+        # out per padded size bs (m tokens, s sequences; `_layout`): ids (m), gather index (m),
+        # positions (m), slots (m), logits rows (s; prefill and mixed), context lengths (s
+        # int32s), query starts (s + 1 int32s; mixed). The graph's input ids are
+        # buffer[gather]: a host-known id points at its own entry, a token still on the device
+        # at the previous step's sampled row. A decode set that mixed graphs share (max_chunk:
+        # their longest chunk) holds their layouts too.
+        if share is not None:
+            self.base, self.buffer = share.base, share.buffer
+            self.block_tables = share.block_tables
+        else:
+            self.base = n * q
+            size = max(self._layout(n)[2], self._layout(n, max_chunk)[2] if max_chunk else 0)
+            self.buffer = torch.zeros(self.base + size, dtype=torch.long, device=dev)
+            self.block_tables = torch.full((n + 1, max_blocks_per_seq), scratch_block,
+                                           dtype=torch.int32, device=dev)  # fmt: skip
         self.last_sampled = self.buffer[: self.base]
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
+        self.chunk_cu = torch.tensor([0, q], dtype=torch.int32, device=dev)  # mixed: the chunk's
         # One logits buffer for every graph of the set: each size's own output would keep
         # bs x V float32 alive per graph (~5 GB for sizes up to 512 with a 152k vocabulary).
-        self.logits = torch.empty(1 if prefill else n * q, model.lm_head.weight.shape[0],
-                                  dtype=torch.float32, device=dev)  # fmt: skip
+        rows = 1 if prefill else n + 1 if mixed else n * q
+        self.logits = torch.empty(rows, model.lm_head.weight.shape[0], dtype=torch.float32,
+                                  device=dev)  # fmt: skip
         # Verify graphs of one size (one per split count) leave their hidden states here, where
         # the size's one drafting graph (`capture_drafts`) reads them.
         w = model.lm_head.weight
-        self.hidden = None if prefill or q == 1 else torch.empty(n * q, w.shape[1], dtype=w.dtype,
-                                                                  device=dev)  # fmt: skip
-        self.block_tables = torch.full(
-            (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev
-        )
+        self.hidden = None if prefill or mixed or q == 1 else torch.empty(
+            n * q, w.shape[1], dtype=w.dtype, device=dev)  # fmt: skip
         self.max_num_seqs = max_num_seqs
         attn = next(m for m in model.modules() if hasattr(m, "num_kv_heads"))
-        self.num_kv_heads = attn.num_kv_heads
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.max_len = max_blocks_per_seq * block_size
         self.block_size = block_size
         self.capture = capture
@@ -195,7 +232,8 @@ class DecodeGraphs:
 
         self.shared_rows = shared_prefix_rows(attn.num_heads, attn.num_kv_heads)
         self.shared_sizes = [s for s in self.sizes if s >= SHARED_MIN_BATCH] if (
-            shared_prefix and q == 1 and not prefill and self.shared_rows) else []  # fmt: skip
+            shared_prefix and q == 1 and not prefill and not mixed and self.shared_rows
+        ) else []  # fmt: skip
         if self.shared_sizes:
             self.shared_buffer = torch.zeros(n + n // 2 * (1 + self.shared_rows),
                                              dtype=torch.int32, device=dev)  # fmt: skip
@@ -228,25 +266,40 @@ class DecodeGraphs:
                                  self.buffer.device, max_context_len)  # fmt: skip
 
     def _keys(self, bs: int) -> list[tuple[int, bool, int | None]]:
+        if self.mixed:  # the third entry: the chunk's key splits
+            return [(bs, False, 1), (bs, False, MIXED_SPLITS)]
         full = self._num_splits(bs)
         keys = [(bs, False, full)]
         if full is not None:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
+    def _layout(self, bs: int, chunk: int | None = None) -> tuple[int, int, int]:
+        """(tokens, sequences, int64 entries) of padded size bs; `chunk`: a mixed layout's."""
+        if chunk is None:
+            chunk = self.query_len if self.mixed else 0
+        m, seqs = (bs + chunk, bs + 1) if chunk else (bs * self.query_len, bs)
+        return m, seqs, 4 * m + seqs + -(-seqs // 2) + (-(-(seqs + 1) // 2) if chunk else 0)
+
     def _fields(self, bs: int) -> list[torch.Tensor]:
         """Views of the buffer for padded size bs: ids, gather, positions, slots, logits rows
-        (int64), then the context lengths as int32 (the kernels' dtype: no conversion)."""
-        m, start = bs * self.query_len, self.base
-        fields = list(self.buffer[start : start + 4 * m + bs].split([m, m, m, m, bs]))
-        ctx = self.buffer[start + 4 * m + bs : start + 4 * m + bs + -(-bs // 2)]
-        return fields + [ctx.view(torch.int32)[:bs]]
+        (int64), then the context lengths and (mixed) the query starts as int32 (the kernels'
+        dtype: no conversion)."""
+        m, seqs, size = self._layout(bs)
+        start = self.base
+        fields = list(self.buffer[start : start + 4 * m + seqs].split([m, m, m, m, seqs]))
+        start += 4 * m + seqs
+        ctx = self.buffer[start : start + -(-seqs // 2)].view(torch.int32)[:seqs]
+        cu = self.buffer[start + -(-seqs // 2) : self.base + size].view(torch.int32)[: seqs + 1]
+        return fields + [ctx, cu]
 
     def _run(self, bs: int, shared: bool, splits: int | None,
              host_ctx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The captured forward; `host_ctx`: the context lengths on the host, which only an
         eager replay (capture=False) can use (the CPU attention needs them)."""
-        _, gather, positions, slots, rows, ctx = self._fields(bs)
+        if self.mixed:
+            return self._run_mixed(bs, splits, host_ctx)
+        _, gather, positions, slots, rows, ctx, _ = self._fields(bs)
         decode = self.query_len == 1
         if shared:
             n = self.sizes[-1]
@@ -278,6 +331,33 @@ class DecodeGraphs:
         # The greedy tokens, where the next step's gather finds them (it reads them before
         # this write: the gather is the replay's first kernel).
         greedy(logits, out=self.last_sampled[: logits.shape[0]])
+        return hidden, logits
+
+    def _run_mixed(self, bs: int, splits: int, host_ctx: list[int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
+        dev = self.buffer.device
+        md = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=self.block_tables[: bs + 1],
+            cu_seqlens_q=cu,
+            context_lens=ctx,
+            query_lens_cpu=[1] * bs + [self.query_len],
+            context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
+            max_context_len=0,
+            is_decode_only=False,
+            num_splits=decode_num_splits(
+                bs, self.max_num_seqs, self.num_kv_heads, self.max_len, dev
+            ),  # fmt: skip
+            prefill_num_splits=splits,
+            chunk=(bs, self.chunk_cu),
+        )
+        self.metadata[bs, False, splits] = md
+        with forward_context(md):
+            hidden = self.model(self.buffer[gather], positions)
+        logits = self.model.compute_logits(hidden.index_select(0, rows),
+                                           out=self.logits[: bs + 1])  # fmt: skip
+        greedy(logits, out=self.last_sampled[: bs + 1])
         return hidden, logits
 
     def capture_drafts(self, draft_tokens) -> None:
@@ -355,6 +435,8 @@ class DecodeGraphs:
         per token) and logits (one row per token, or the chunk's last token's); `last_sampled`
         then holds their greedy tokens. `fix(ids, positions, slots, context_lens, tables)`
         edits the copied inputs on the device before the replay."""
+        if self.mixed:
+            return self._replay_mixed(input_ids, positions, slots, context_lens, tables, pending)
         b, q = len(context_lens), self.query_len
         bs = next(s for s in self.sizes if s >= b)
         m, n = bs * q, len(input_ids)
@@ -378,7 +460,7 @@ class DecodeGraphs:
         host_tables = host_array(tables, torch.int32, pin)
         self.block_tables[:b, : tables.shape[1]].copy_(host_tables, non_blocking=True)
         if fix is not None:
-            ids, _, dev_positions, dev_slots, _, dev_ctx = self._fields(bs)
+            ids, _, dev_positions, dev_slots, _, dev_ctx, _ = self._fields(bs)
             fix(ids, dev_positions, dev_slots, dev_ctx, self.block_tables[:bs])
             if not self.capture:  # the CPU attention reads host lengths
                 host_ctx = dev_ctx[:b].tolist()
@@ -395,3 +477,59 @@ class DecodeGraphs:
         self.num_shared_replays += shared
         hidden, logits = self.outputs[key]
         return hidden[:n], logits if self.prefill else logits[:n]
+
+    def _replay_mixed(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        context_lens: list[int],
+        tables: np.ndarray,
+        pending: tuple[list[int], list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` for d decode rows then one chunk of c tokens (the batch's last row): returns
+        the chunk's hidden states and the logits of the sampled rows (all d, then the chunk's
+        last token's: the caller keeps the rows it samples)."""
+        d, q = len(context_lens) - 1, self.query_len
+        bs = next(s for s in self.sizes if s >= d)
+        m, seqs, size = self._layout(bs)
+        c = len(input_ids) - d
+        at = np.r_[np.arange(d), np.arange(bs, bs + c)]  # host token i -> its buffer slot
+        pin = self.buffer.is_cuda  # pinned host memory: the copies are async
+        host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        a = host.numpy()
+        ids, gather, pos, slot = (a[i * m : (i + 1) * m] for i in range(4))
+        ids[at] = input_ids
+        gather[:] = np.arange(self.base, self.base + m)
+        gather[at[np.asarray(pending[0], dtype=np.int64)]] = pending[1]
+        pos[at] = positions
+        slot[:] = self.scratch_slot
+        slot[at] = slots
+        rows = a[4 * m : 4 * m + seqs]
+        rows[:d], rows[d] = np.arange(d), bs + c - 1  # the sampled rows first; then token 0
+        ctx = a[4 * m + seqs :].view(np.int32)
+        ctx[:d], ctx[d:bs] = context_lens[:d], 1
+        ctx[bs] = context_lens[d] + q - c  # padding goes after the chunk
+        cu = ctx[-(-seqs // 2) * 2 :][: seqs + 1]
+        cu[: bs + 1], cu[bs + 1] = np.arange(bs + 1), bs + q
+        self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
+        host_tables = host_array(tables, torch.int32, pin)
+        w = tables.shape[1]
+        self.block_tables[:d, :w].copy_(host_tables[:d], non_blocking=True)
+        self.block_tables[bs, :w].copy_(host_tables[d], non_blocking=True)
+        splits = self._mixed_splits([1] * d + [c], context_lens)
+        key = (bs, False, splits)
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            host_ctx = ctx[:seqs].tolist()
+            self.outputs[key] = self._run(*key, host_ctx)
+        self.num_replays += 1
+        hidden, logits = self.outputs[key]
+        return hidden[bs : bs + c], logits[: d + 1]
+
+    def _mixed_splits(self, query_lens: list[int], context_lens: list[int]) -> int:
+        """The captured split count nearest to the eager step's choice."""
+        s = prefill_num_splits(query_lens, context_lens, self.num_heads, self.num_kv_heads,
+                               self.buffer.device)  # fmt: skip
+        return MIXED_SPLITS if s >= MIXED_SPLIT_FROM else 1

@@ -14,6 +14,7 @@ import gc
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
+from tinyserve.kernels.prefill_attention import prefill_attention, prefill_num_splits
 from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref
 from tinyserve.kernels.spec_shift import spec_shift, spec_shift_ref
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
@@ -76,16 +77,20 @@ class ModelRunner:
         )  # fmt: skip
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.device.type == "cuda":
+            self._compile_split_attention()
         limit = min(config.max_model_len or 1 << 30, mc.max_position_embeddings)
         self.max_blocks_per_seq = -(-limit // self.block_size)
         self.graphs = self.verify_graphs = None
         self.prefill_graphs: dict[int, object] = {}  # padded length -> one-sequence graphs
+        self.mixed_graphs: dict[int, object] = {}  # padded chunk -> decode rows + that chunk
         if self.device.type == "cuda" and not config.enforce_eager:
             from tinyserve.graphs import DecodeGraphs
 
             args = (self.model, config.max_num_seqs, self.max_blocks_per_seq, self.num_kv_blocks,
                     self.block_size)  # fmt: skip
-            self.graphs = DecodeGraphs(*args, shared_prefix=config.enable_prefix_caching)
+            self.graphs = DecodeGraphs(*args, shared_prefix=config.enable_prefix_caching,
+                                       max_chunk=self.max_graph_chunk)  # fmt: skip
             self.capture_prefill_graphs(capture=True)
             if config.speculative_method is not None:  # the verify step: last token + k drafts
                 q = config.num_speculative_tokens + 1
@@ -93,22 +98,57 @@ class ModelRunner:
                 if self.mtp is not None:  # the MTP head's drafts after a verify replay, too
                     self.verify_graphs.capture_drafts(self.draft_tokens)
 
+    def _compile_split_attention(self) -> None:
+        """Compile the prefill kernel's key-split variant at start-up: the first long prompt
+        chunked beside decode rows would compile it mid-step and stall every stream (H100,
+        qwen3-0.6b: a 1.76 s inter-token gap). One token on the scratch block."""
+        layer, mc = self.attn_layers[0], self.model_config
+        q = torch.zeros(1, mc.num_attention_heads, mc.head_dim, dtype=self.dtype,
+                        device=self.device)  # fmt: skip
+        table = torch.full((1, 1), self.num_kv_blocks, dtype=torch.int32, device=self.device)
+        cu, lens = (torch.tensor(v, dtype=torch.int32, device=self.device) for v in ([0, 1], [1]))
+        prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, lens, 1, layer.scale,
+                          num_splits=2)  # fmt: skip
+
+    @property
+    def max_graph_chunk(self) -> int:
+        """The longest prompt chunk with graphs (0: none; not with MTP, whose drafting reads
+        every row's inputs)."""
+        from tinyserve.graphs import prefill_graph_lengths
+
+        lengths = prefill_graph_lengths(self.config.max_num_batched_tokens)
+        return 0 if self.mtp is not None or not lengths else lengths[-1]
+
     def capture_prefill_graphs(self, capture: bool) -> None:
-        """One-sequence prompt graphs (not with MTP, whose drafting reads every row's inputs):
-        a short prompt's forward is host-bound when launched kernel by kernel (H100, 32 tokens:
-        qwen3-0.6b 15-21 ms to the first token eagerly, for ~1.2 ms of GPU work)."""
+        """Prompt-chunk graphs: one sequence's chunk, and a chunk beside decode rows (a long
+        prompt chunked while others decode). Launched kernel by kernel such a forward is
+        host-bound: H100, 32 tokens alone: qwen3-0.6b 15-21 ms to the first token, for ~1.2 ms
+        of GPU work; 64 decode rows beside a 448-token chunk: ~20 ms a step."""
         from tinyserve.graphs import DecodeGraphs, prefill_graph_lengths
 
-        if self.mtp is not None:
+        if not self.max_graph_chunk:
             return
         pool = self.graphs.pool if capture else None
+        args = (self.model, 1, self.max_blocks_per_seq, self.num_kv_blocks, self.block_size)
         for q in reversed(prefill_graph_lengths(self.config.max_num_batched_tokens)):
-            g = DecodeGraphs(self.model, 1, self.max_blocks_per_seq, self.num_kv_blocks,
-                             self.block_size, query_len=q, pool=pool, capture=capture,
-                             prefill=True)  # fmt: skip
+            g = DecodeGraphs(*args, query_len=q, pool=pool, capture=capture, prefill=True)
             pool = g.pool if capture else None
             self.prefill_graphs[q] = g
+            if self.config.max_num_seqs > 1:
+                g = DecodeGraphs(
+                    self.model,
+                    self.config.max_num_seqs,
+                    *args[2:],
+                    query_len=q,
+                    pool=pool,
+                    capture=capture,
+                    mixed=True,
+                    share=self.graphs,
+                )
+                pool = g.pool if capture else None
+                self.mixed_graphs[q] = g
         self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))  # shortest first
+        self.mixed_graphs = dict(sorted(self.mixed_graphs.items()))
         if capture:
             self.graphs.pool = pool
 
@@ -159,6 +199,11 @@ class ModelRunner:
                      self.max_blocks_per_seq * self.block_size, self.device)  # fmt: skip
             md.num_splits = decode_num_splits(*shape, max(h.ctx_lens))
             md.decode_block_n = decode_block_n(*shape, md.num_splits)
+        elif self.device.type == "cuda":
+            mc = self.model_config
+            md.prefill_num_splits = prefill_num_splits(
+                h.q_lens, h.ctx_lens, mc.num_attention_heads, mc.num_key_value_heads, self.device
+            )
         return x
 
     def _graphs_for(self, h: HostInputs):
@@ -174,6 +219,14 @@ class ModelRunner:
             limit = self.max_blocks_per_seq * self.block_size
             if q is not None and h.ctx_lens[0] + q - h.q_lens[0] <= limit:
                 return self.prefill_graphs[q]
+        d = len(h.q_lens) - 1  # decode rows, then one chunk that is the last row
+        if self.mixed_graphs and d and h.q_lens[d] > 1 and not h.spec and d == h.q_lens.count(1):
+            q = next((q for q in self.mixed_graphs if q >= h.q_lens[d]), None)
+            limit = self.max_blocks_per_seq * self.block_size
+            # The decode rows all sample (logits rows 0..d-1: the first d of an ascending list).
+            samples = len(h.logits_idx) >= d and h.logits_idx[d - 1] == d - 1
+            if q is not None and samples and h.ctx_lens[d] + q - h.q_lens[d] <= limit:
+                return self.mixed_graphs[q]
         v = self.verify_graphs
         if v is not None and len(set(h.q_lens)) == 1 and h.q_lens[0] == v.query_len:
             if len(h.logits_idx) == len(h.input_ids) and not h.dst:
@@ -234,10 +287,10 @@ class ModelRunner:
         # The graph's logits rows are the sampled rows: every token sampled, or a prefill
         # graph's one row (the chunk's last token's).
         graph_rows = all_logits is not None and (
-            len(h.logits_idx) == len(h.input_ids) or graphs.prefill
+            len(h.logits_idx) == len(h.input_ids) or graphs.prefill or graphs.mixed
         )
         if graph_rows:
-            logits = all_logits
+            logits = all_logits[: len(h.logits_idx)]  # a mixed graph's chunk may not sample
         else:
             idx = x.idx if x is not None else to_device(h.logits_idx, self.device)
             if all_logits is not None:

@@ -40,6 +40,13 @@ class AttentionMetadata:
     # (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
     decode_block_n: int | None = None  # its key tile (graphs.decode_block_n); None: the default
+    # Key splits of the prefill kernel in an eager step (kernels.prefill_attention.
+    # prefill_num_splits): a long prompt's chunk beside short rows fills the GPU.
+    prefill_num_splits: int = 1
+    # A mixed graph's layout (graphs.DecodeGraphs, mixed): (d, cu) where rows [0, d) are decode
+    # rows (the decode kernel) and the rest one prompt chunk (the prefill kernel; cu = [0, its
+    # padded length]), so neither kernel's grid depends on the other's rows.
+    chunk: tuple[int, torch.Tensor] | None = None
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU path, set lazily
     # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
     # cascade path (kernels/decode_attention.py); the torch path attends row by row anyway.
@@ -196,6 +203,8 @@ class Attention(nn.Module):
         q = rope_store_kv(qkv, rope.positions, rope.cos_sin_cache, self.k_cache, self.v_cache,
                           md.slot_mapping, self.num_heads, *norms)  # fmt: skip
         group = self.num_heads // self.num_kv_heads
+        if md.chunk is not None:
+            return self._decode_then_chunk(q, md)
         if md.is_decode_only or 0 < md.verify_query_len * group <= MAX_TILE_ROWS:
             return decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
@@ -207,8 +216,28 @@ class Attention(nn.Module):
             )  # fmt: skip
         return prefill_attention(
             q, self.k_cache, self.v_cache, md.block_tables, md.cu_seqlens_q, md.context_lens,
-            max(md.query_lens_cpu), self.scale,
+            max(md.query_lens_cpu), self.scale, num_splits=md.prefill_num_splits,
         )  # fmt: skip
+
+    def _decode_then_chunk(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """A mixed graph's attention: rows [0, d) by the decode kernel, the chunk after them by
+        the prefill kernel (one sequence), each into its own rows of the output."""
+        d, cu = md.chunk
+        out = torch.empty_like(q)
+        decode_attention(
+            q[:d],
+            self.k_cache,
+            self.v_cache,
+            md.block_tables[:d],
+            md.context_lens[:d],
+            self.scale,
+            out[:d],
+            num_splits=md.num_splits,
+        )
+        prefill_attention(q[d:], self.k_cache, self.v_cache, md.block_tables[d:], cu,
+                          md.context_lens[d:], q.shape[0] - d, self.scale, out[d:],
+                          num_splits=md.prefill_num_splits)  # fmt: skip
+        return out
 
 
 def _current_metadata() -> AttentionMetadata:
