@@ -616,13 +616,14 @@ def bench_prefix(args) -> dict:
         return {"shared_prefix": shared, "no_sharing": unique}
 
     # --repeats R: R fresh sets of each workload (new system prompts: no hit on an earlier set),
-    # run in the same order on both engines; the row reports the median over the sets.
+    # run in the same order on both engines; the row reports the median over the sets (0: the
+    # long-context run only).
     sets = [workloads(k) for k in range(args.repeats)]
     rows = {name: {"workload": name, "requests": g * r, "prompt_len": sys_len + q_len,
                    "output_len": out_len, "max_num_seqs": args.max_num_seqs,
                    "repeats": args.repeats}
-            for name in ("shared_prefix", "no_sharing")}  # fmt: skip
-    for on in (True, False):
+            for name in ("shared_prefix", "no_sharing") if sets}  # fmt: skip
+    for on in (True, False) if sets else ():
         llm = LLM(path, load_format=load_format, enable_prefix_caching=on, seed=0,
                   max_num_seqs=args.max_num_seqs)  # fmt: skip
         engine, tag = llm.engine, "on" if on else "off"
@@ -1218,7 +1219,8 @@ def main() -> None:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--small", action="store_true", help="prefix: the CPU sizes")
     p.add_argument("--max-num-seqs", type=int, default=512, help="prefix: the engine's cap")
-    p.add_argument("--repeats", type=int, default=1, help="prefix: fresh workload sets per engine")
+    p.add_argument("--repeats", type=int, default=1, help="prefix: fresh workload sets per "
+                   "engine (0: long context only)")  # fmt: skip
     p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
                    "of the long-context run (0: skip it)")  # fmt: skip
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")

@@ -37,6 +37,16 @@ def test_spec_ngram_on_the_default_model_is_lossless(tmp_path):
     assert 0 <= ngram["acceptance"] <= 1 and ngram["out_tok_per_s"] > 0
 
 
+def test_prefix_long_context_alone(tmp_path):
+    """--repeats 0: the long-context run only (decoding streams, then a long prompt chunked
+    beside them), with its ITL and TTFT ratios."""
+    res = run_bench(tmp_path, "prefix", "--small", "--repeats", "0", "--long-budget", "256")
+    (row,) = res["rows"]
+    assert row["workload"] == "long_context" and row["steps_during"] > 1
+    assert row["itl_p99_ms_during"] >= row["itl_median_ms_during"] > 0
+    assert row["ttft_ratio"] == row["ttft_long_s"] / row["ttft_long_alone_s"]
+
+
 def test_unknown_workload_is_refused():
     out = subprocess.run([sys.executable, "bench.py", "nope"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
