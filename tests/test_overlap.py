@@ -298,6 +298,8 @@ def test_mixed_graphs_give_the_eager_outputs(model_dir, overlap):
     mixed = llm.engine.runner.mixed_graphs
     assert sorted(mixed) == [16, 32] and mixed[32].sizes == [1, 2, 4, 7]
     assert mixed[32].num_replays >= 4 and mixed[16].num_replays >= 1
+    decode = llm.engine.runner.graphs  # one logits buffer for all (V floats a row each)
+    assert all(g.logits is decode.logits and g.buffer is decode.buffer for g in mixed.values())
 
 
 def test_packed_to_device_views():

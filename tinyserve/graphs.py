@@ -209,11 +209,14 @@ class DecodeGraphs:
         # its memory handed to other tensors while the graph still reads that address.
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
         self.chunk_cu = torch.tensor([0, q], dtype=torch.int32, device=dev)  # mixed: the chunk's
-        # One logits buffer for every graph of the set: each size's own output would keep
-        # bs x V float32 alive per graph (~5 GB for sizes up to 512 with a 152k vocabulary).
-        rows = 1 if prefill else n + 1 if mixed else n * q
-        self.logits = torch.empty(rows, model.lm_head.weight.shape[0], dtype=torch.float32,
-                                  device=dev)  # fmt: skip
+        # One logits buffer for every graph of the set (and the mixed sets: up to max_num_seqs
+        # rows): each size's own output would keep bs x V float32 alive per graph (~5 GB for
+        # sizes up to 512 with a 152k vocabulary).
+        if share is not None:
+            self.logits = share.logits
+        else:
+            self.logits = torch.empty(1 if prefill else n * q, model.lm_head.weight.shape[0],
+                                      dtype=torch.float32, device=dev)  # fmt: skip
         # Verify graphs of one size (one per split count) leave their hidden states here, where
         # the size's one drafting graph (`capture_drafts`) reads them.
         w = model.lm_head.weight
