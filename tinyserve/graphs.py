@@ -207,8 +207,10 @@ class DecodeGraphs:
         self.last_sampled = self.buffer[: self.base]
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
-        self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
-        self.chunk_cu = torch.tensor([0, q], dtype=torch.int32, device=dev)  # mixed: the chunk's
+        if mixed:  # the chunk's query starts (the step's are an input of each replay)
+            self.chunk_cu = torch.tensor([0, q], dtype=torch.int32, device=dev)
+        else:
+            self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
         # One logits buffer for every graph of the set (and the mixed sets: up to max_num_seqs
         # rows): each size's own output would keep bs x V float32 alive per graph (~5 GB for
         # sizes up to 512 with a 152k vocabulary).

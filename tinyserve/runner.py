@@ -213,16 +213,15 @@ class ModelRunner:
             return None
         if all(n == 1 for n in h.q_lens):
             return self.graphs
+        # Padding tokens sit after a prompt chunk: their positions must stay inside the table.
+        limit = self.max_blocks_per_seq * self.block_size
         if len(h.q_lens) == 1 and not h.dst and not h.spec:  # one prompt chunk
             q = next((q for q in self.prefill_graphs if q >= h.q_lens[0]), None)
-            # Padding tokens sit after the chunk: their positions must stay inside the table.
-            limit = self.max_blocks_per_seq * self.block_size
             if q is not None and h.ctx_lens[0] + q - h.q_lens[0] <= limit:
                 return self.prefill_graphs[q]
         d = len(h.q_lens) - 1  # decode rows, then one chunk that is the last row
         if self.mixed_graphs and d and h.q_lens[d] > 1 and not h.spec and d == h.q_lens.count(1):
             q = next((q for q in self.mixed_graphs if q >= h.q_lens[d]), None)
-            limit = self.max_blocks_per_seq * self.block_size
             # The decode rows all sample (logits rows 0..d-1: the first d of an ascending list).
             samples = len(h.logits_idx) >= d and h.logits_idx[d - 1] == d - 1
             if q is not None and samples and h.ctx_lens[d] + q - h.q_lens[d] <= limit:
