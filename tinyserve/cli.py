@@ -54,6 +54,12 @@ def engine_options(f):
         click.option("--speculative-token-map", default=None,
                      help="MTP: draft only the token ids in this JSON list (FR-Spec / "
                           "SGLang's token map); cuts the draft's LM-head reads."),
+        click.option("--prefill-lane-tokens", type=int, default=None,
+                     help="While others decode, a long prompt's chunks of this many tokens run "
+                          "beside the steps on part of the GPU (default 4096 where it can; 0: "
+                          "off)."),
+        click.option("--prefill-lane-reserve-sms", type=int, default=None,
+                     help="SMs the prefill lane leaves to decode steps (default: half)."),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)
@@ -63,7 +69,8 @@ def engine_options(f):
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
     "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager "
-    "async_scheduling speculative_method num_speculative_tokens speculative_token_map"
+    "async_scheduling speculative_method num_speculative_tokens speculative_token_map "
+    "prefill_lane_tokens prefill_lane_reserve_sms"
 ).split()
 
 

@@ -217,6 +217,11 @@ class EngineConfig:
     num_speculative_tokens: int | None = None  # k drafts per step; required with a method
     # MTP only: a file of the token ids the head drafts from (spec_decode.load_token_map).
     speculative_token_map: str | None = None
+    # The prefill lane (prefill_lane.py): while others decode, a long prompt's chunks of this
+    # many tokens run on a second stream beside the steps. None: 4096 with CUDA graphs on a
+    # GPU that partitions its SMs (green contexts), else off; 0: off.
+    prefill_lane_tokens: int | None = None
+    prefill_lane_reserve_sms: int | None = None  # SMs the lane leaves free; None: half of them
     # Benchmark-only: accept exactly this many drafts per step whatever the target says (outputs
     # are then NOT the model's). Shows the mechanism's ceiling at a fixed acceptance.
     spec_force_accept: int | None = None
@@ -230,12 +235,19 @@ class EngineConfig:
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kv_blocks"):
+        for name in ("max_model_len", "num_kv_blocks", "prefill_lane_reserve_sms"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         # Triton kernels tile a KV block with tl.arange, which needs a power of two.
         if self.block_size & (self.block_size - 1):
             raise InvalidConfig("block_size", f"must be a power of two, got {self.block_size}")
+        lane = self.prefill_lane_tokens
+        if lane is not None and lane != 0:
+            _check_positive_int("prefill_lane_tokens", lane)
+            if lane % self.block_size:
+                raise InvalidConfig(
+                    "prefill_lane_tokens", f"must be a multiple of block_size ({self.block_size})"
+                )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidConfig(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -114,6 +114,7 @@ class LLMEngine:
             self.pool, config.max_num_seqs, config.max_num_batched_tokens,
             spec_lookahead=k - 1 if config.speculative_method == "mtp" else 0,
             max_model_len=self.max_model_len,
+            lane_chunk=self.runner.lane.chunk if self.runner.lane is not None else 0,
         )  # fmt: skip
         # Host-side drafters (n-gram; tests plug in others); MTP drafts come from the runner.
         self.proposer = NgramProposer(k) if config.speculative_method == "ngram" else None
@@ -215,11 +216,15 @@ class LLMEngine:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "abort")
                         self._delta(deltas, req, seq, [], "")
+        lane = self.runner.lane
+        if lane is not None:  # prefill-lane chunks done since the last step
+            self.scheduler.lane_finished(lane.poll())
         if self._can_overlap():
             # 2) schedule N+1 and 3) launch it before N's tokens are on the host (its inputs
             # come from N's sampled ids on the device); 4) post-process N meanwhile.
             batch = self.scheduler.schedule()
             launched = self._launch(batch, overlap=True) if batch is not None else None
+            self._launch_lane()
             if self._in_flight is not None:
                 self._post_process(self._in_flight, deltas)
             self._in_flight = launched
@@ -228,11 +233,18 @@ class LLMEngine:
                 self._post_process(self._in_flight, deltas)
                 self._in_flight = None
             batch = self.scheduler.schedule()
+            self._launch_lane()
             if batch is not None:
                 self._post_process(self._launch(batch, overlap=False), deltas)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
             self._num_sync_requests -= self._needs_sync(self.requests.pop(rid).params)
         return list(deltas.values())
+
+    def _launch_lane(self) -> None:
+        """This step's prefill-lane chunks: after the overlapped loop's step (the decode rows
+        go first), before a step the loop then waits for."""
+        for seq, start, num in self.scheduler.lane_launches:
+            self.runner.lane.launch(seq.token_ids[start : start + num], start, seq.block_table)
 
     def _needs_sync(self, p: SamplingParams) -> bool:
         spec = bool(self.num_speculative_tokens)

@@ -12,6 +12,11 @@ tokens (chunk by chunk; `kv_token_limit`). Order within a step:
 Under KV pressure the newest sequence still prefilling yields first (its committed blocks stay
 cached), then the newest decoding one is preempted (recompute). No CUDA here.
 
+The prefill lane (prefill_lane.py): while other sequences decode, the oldest prompt longer than
+a lane chunk and a step's budget has its chunks of up to `lane_chunk` tokens run on the lane
+instead of in the steps, at most `lane_depth` in flight; such a sequence sits out of the steps
+until they finish (`lane_finished`), and its last token goes through a step (it samples).
+
 Speculative decoding: a decoding row carries its drafts (`seq.draft_ids`), so it schedules
 1 + k tokens (fewer drafts if the budget is short), and a row that samples also reserves
 `spec_lookahead` more KV slots (where the MTP head writes its chained drafts). The engine trims
@@ -53,6 +58,8 @@ class Scheduler:
         long_prefill_tokens: int | None = None,
         spec_lookahead: int = 0,
         max_model_len: int = 1 << 62,
+        lane_chunk: int = 0,
+        lane_depth: int = 2,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -65,6 +72,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_steps = 0
         self.num_preemptions = 0
+        self.lane_chunk, self.lane_depth = lane_chunk, lane_depth
+        self.lane: deque[tuple[Sequence, int]] = deque()  # chunks in flight, oldest first
+        self.lane_seq: Sequence | None = None  # the prompt the lane computes
+        self.lane_launches: list[tuple[Sequence, int, int]] = []  # this step's (seq, start, num)
 
     @property
     def has_work(self) -> bool:
@@ -83,7 +94,10 @@ class Scheduler:
         # A sequence at its length limit is done; the overlapped loop learns it a step late.
         live = [s for s in self.running if not self._exhausted(s)]
         decoding = [s for s in live if s.num_uncomputed == 1]
-        prefilling = [s for s in live if s.num_uncomputed > 1]
+        self.lane_launches = []
+        if self.lane_chunk and decoding:
+            self._feed_lane(live)
+        prefilling = [s for s in live if s.num_uncomputed > 1 and not s.lane_tokens]
         # Admissions wait for blocks these will commit: prefills, and sequences whose last
         # step computed full blocks not committed yet (the overlapped loop commits a step late).
         bs = self.pool.block_size
@@ -110,6 +124,50 @@ class Scheduler:
         if not self._batch:
             return None
         return ScheduledBatch(self._batch, self._nums)
+
+    def _feed_lane(self, live: list[Sequence]) -> None:
+        """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
+        else the oldest prompt with more than a chunk (and a step's budget) left takes it.
+        KV is allocated chunk by
+        chunk, as in the steps; without room the lane waits (and the steps chunk the prompt
+        meanwhile)."""
+        c, seq = self.lane_chunk, self.lane_seq
+        if seq is None or seq.status is not SequenceStatus.RUNNING:  # done, aborted, preempted
+            # Prompts that would take more than one step; one step's stall is what the steps
+            # were sized for (max_num_batched_tokens).
+            least = max(c, self.max_num_batched_tokens)
+            seq = self.lane_seq = next((s for s in live if s.num_uncomputed > least), None)
+        if seq is not None:
+            while len(self.lane) < self.lane_depth:
+                start = seq.num_kv_computed + seq.lane_tokens
+                # All but the last token (its chunk samples: a step's, as a 1-token row). A
+                # prompt's end chunked into the steps would cost each stream a whole chunk's
+                # forward at the longest context (25-44 ms a step on the H100).
+                num = min(c, seq.num_tokens - 1 - start)
+                if num < 1:
+                    self.lane_seq = None  # the lane is done with it
+                    return
+                if start + c > self.max_model_len:  # padding stays in the table
+                    return
+                if not self.pool.can_append(seq, seq.lane_tokens + num):
+                    return
+                self.pool.may_append(seq, seq.lane_tokens + num)
+                self.lane_launches.append((seq, start, num))
+                self.lane.append((seq, num))
+                seq.lane_tokens += num
+
+    def lane_finished(self, num: int) -> None:
+        """The `num` oldest lane chunks are done: their KV counts as computed and their full
+        blocks enter the trie; a sequence finished meanwhile (aborted) frees its blocks now."""
+        for _ in range(num):
+            seq, c = self.lane.popleft()
+            seq.lane_tokens -= c
+            if seq.is_finished:
+                if not seq.lane_tokens:
+                    self.pool.free_seq(seq)
+                continue
+            seq.num_kv_computed += c
+            self.pool.commit(seq)
 
     def _schedule_running(self, seq: Sequence) -> None:
         if self._budget == 0 or seq.status is not SequenceStatus.RUNNING:
@@ -201,7 +259,8 @@ class Scheduler:
 
     def _pick_victim(self) -> Sequence:
         """Newest unscheduled sequence that is still prefilling, else the newest unscheduled."""
-        candidates = [s for s in reversed(self.running) if s not in self._batch]
+        candidates = [s for s in reversed(self.running)
+                      if s not in self._batch and not s.lane_tokens]  # fmt: skip
         prefilling = [s for s in candidates if s.num_uncomputed > 1]
         return (prefilling or candidates)[0]
 
@@ -222,7 +281,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.pool.free_seq(seq)
+        if not seq.lane_tokens:  # else the lane may still write its blocks: `lane_finished`
+            self.pool.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -230,4 +290,5 @@ class Scheduler:
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in self.waiting)
         assert len(self.running) <= self.max_num_seqs
-        self.pool.check_invariants([*self.running, *self.waiting])
+        finished = {s for s, _ in self.lane if s.is_finished}  # blocks held till the lane ends
+        self.pool.check_invariants([*self.running, *self.waiting, *finished])

@@ -53,6 +53,7 @@ class Sequence:
     # the host until it finishes) moves the next step's positions by up to this many.
     num_unverified: int = 0
     num_preemptions: int = 0
+    lane_tokens: int = 0  # prompt tokens of its chunks in flight on the prefill lane
     last_scheduled_step: int = 0  # for aging: long prefills are not starved forever
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None  # the stop token id or stop string that matched

@@ -1,0 +1,140 @@
+"""The prefill lane: while others decode, a long prompt's big chunks run beside the steps
+(prefill_lane.py). On the CPU its chunks run eagerly, so the scheduling, the KV accounting, the
+commits and aborts are tested here; the GPU test compares the graph lane on its own stream."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from test_overlap import CONFIG, VOCAB, make_llm, outputs
+
+from tinyserve import SamplingParams
+from tinyserve.config import EngineConfig, InvalidConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+def lane_workload(seed: int = 0, long_len: int = 150):
+    """Short prompts that decode for a while, and long ones that arrive with them."""
+    rng = random.Random(seed)
+    lens = (5, 3, 9, long_len, 4, long_len - 37)
+    prompts = [[rng.randrange(8, VOCAB) for _ in range(n)] for n in lens]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=30 - 3 * i,
+                             ignore_eos=True) for i in range(len(lens))]  # fmt: skip
+    return prompts, params
+
+
+@pytest.mark.parametrize(
+    "overlap,caching,blocks",
+    [(True, True, 256), (False, True, 256), (True, False, 256), (True, True, 48)],  # fmt: skip
+)
+def test_lane_gives_the_outputs_of_the_steps(model_dir, overlap, caching, blocks):
+    """Greedy and seeded outputs are the same with the lane as without, with the overlapped
+    loop on and off, the prefix cache on and off, and under KV pressure (48 blocks of 4: the
+    lane waits for room, sequences are preempted); the lane really ran chunks."""
+    prompts, params = lane_workload()
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=8, async_scheduling=overlap,
+              enable_prefix_caching=caching, num_kv_blocks=blocks)  # fmt: skip
+    want = outputs(make_llm(model_dir, prefill_lane_tokens=0, **kw), prompts, params)
+    llm = make_llm(model_dir, prefill_lane_tokens=32, **kw)
+    assert outputs(llm, prompts, params) == want
+    assert llm.engine.runner.lane.num_launched >= 3
+    assert not llm.engine.scheduler.lane
+
+
+def test_lane_runs_only_beside_decoding_rows_and_leaves_the_last_chunk(model_dir):
+    """A long prompt alone is chunked into the steps as before; beside decoding sequences it
+    takes the lane in chunks of up to 32, all but its last token (a step's row: it samples).
+    Its sequence sits out of the steps while its chunks are in flight."""
+    llm = make_llm(model_dir, prefill_lane_tokens=32, max_num_batched_tokens=16)
+    engine, lane = llm.engine, llm.engine.runner.lane
+    rng = random.Random(1)
+    long = [rng.randrange(8, VOCAB) for _ in range(100)]
+    engine.add_request("alone", long, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    assert lane.num_launched == 0
+    endless = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request("short", [9, 10, 11], endless)
+    engine.step()
+    engine.step()
+    long2 = [rng.randrange(8, VOCAB) for _ in range(100)]
+    engine.add_request("long", long2, SamplingParams(temperature=0, max_tokens=2))
+    seq = None
+    for _ in range(3):
+        engine.step()
+        seq = seq or engine.requests["long"].seqs[0]
+        batch_seqs = engine._in_flight.batch.seqs if engine._in_flight else []
+        assert not (seq.lane_tokens and seq in batch_seqs)
+    # Admitted by a step (15 tokens beside the decode row), then lane chunks 15-47, 47-79 and
+    # 79-99 (padded to 32); the last token goes through a step.
+    rows = []  # the long prompt's rows in the steps after the admission
+    while "long" in engine.requests:
+        engine.step()
+        batch = engine._in_flight.batch if engine._in_flight else None
+        if batch is not None and seq in batch.seqs:
+            rows.append(batch.num_new_tokens[batch.seqs.index(seq)])
+    assert lane.num_launched == 3 and rows and max(rows) == 1
+    engine.abort("short")
+    engine.step()
+    engine.check_invariants()
+
+
+def test_abort_while_a_lane_chunk_is_in_flight_frees_its_blocks_once_done(model_dir):
+    """An aborted sequence's blocks stay held until its lane chunks finish (the lane may still
+    write them), then return to the pool; nothing leaks, nothing is freed twice."""
+    llm = make_llm(model_dir, prefill_lane_tokens=32, max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("short", [9, 10, 11], SamplingParams(temperature=0, max_tokens=50))
+    engine.step()
+    engine.step()
+    rng = random.Random(2)
+    engine.add_request("long", [rng.randrange(8, VOCAB) for _ in range(120)],
+                       SamplingParams(temperature=0, max_tokens=5))  # fmt: skip
+    while not engine.scheduler.lane:
+        engine.step()
+    seq = engine.requests["long"].seqs[0]
+    held = list(seq.block_table)
+    assert seq.lane_tokens and held
+    engine.abort("long")
+    engine.step()  # the abort, then the lane's poll: the chunks (eager) are done
+    engine.check_invariants()
+    assert seq.is_finished and not seq.lane_tokens and not seq.block_table
+    engine.abort("short")
+    engine.step()
+    engine.step()
+    engine.check_invariants()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_lane_chunks_enter_the_prefix_cache(model_dir):
+    """Blocks the lane computed are committed when its chunk is done: the same prompt again
+    hits all of them (the last token is always recomputed)."""
+    llm = make_llm(model_dir, prefill_lane_tokens=32, max_num_batched_tokens=16)
+    rng = random.Random(3)
+    long = [rng.randrange(8, VOCAB) for _ in range(121)]
+    short = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = llm.generate([[9, 10, 11], long], [short, SamplingParams(temperature=0,
+                         max_tokens=3)], use_tqdm=False)  # fmt: skip
+    assert llm.engine.runner.lane.num_launched >= 2
+    again = llm.generate([long], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert again[0].num_cached_tokens == 120
+    assert again[0].outputs[0].token_ids == first[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("value", [-16, 24, 2.5, "64"])
+def test_lane_tokens_must_be_whole_blocks(value):
+    with pytest.raises(InvalidConfig, match="prefill_lane_tokens"):
+        EngineConfig(prefill_lane_tokens=value, block_size=16, device="cpu")
+
+
+def test_lane_is_off_by_default_on_the_cpu(model_dir):
+    assert make_llm(model_dir).engine.runner.lane is None
+    assert make_llm(model_dir, prefill_lane_tokens=32).engine.runner.lane is not None
