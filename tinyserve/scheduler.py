@@ -60,6 +60,7 @@ class Scheduler:
         max_model_len: int = 1 << 62,
         lane_chunk: int = 0,
         lane_depth: int = 2,
+        lane_limit: int = 1 << 62,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -72,7 +73,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_steps = 0
         self.num_preemptions = 0
-        self.lane_chunk, self.lane_depth = lane_chunk, lane_depth
+        # lane_limit: positions the lane's block table holds (a padded chunk stays inside)
+        self.lane_chunk, self.lane_depth, self.lane_limit = lane_chunk, lane_depth, lane_limit
         self.lane: deque[tuple[Sequence, int]] = deque()  # chunks in flight, oldest first
         self.lane_seq: Sequence | None = None  # the prompt the lane computes
         self.lane_launches: list[tuple[Sequence, int, int]] = []  # this step's (seq, start, num)
@@ -147,7 +149,7 @@ class Scheduler:
                 if num < 1:
                     self.lane_seq = None  # the lane is done with it
                     return
-                if start + c > self.max_model_len:  # padding stays in the table
+                if start + c > min(self.max_model_len, self.lane_limit):  # padding too
                     return
                 if not self.pool.can_append(seq, seq.lane_tokens + num):
                     return
