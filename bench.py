@@ -660,7 +660,8 @@ def bench_prefix(args) -> dict:
         print(row, flush=True)
     if args.long_budget:  # 0: skip the long-context run
         res["rows"].append(_long_context(path, load_format, args.long_budget, n_streams,
-                                         long_len, rand_ids))  # fmt: skip
+                                         long_len, rand_ids, args.lane_tokens,
+                                         args.lane_reserve_sms))  # fmt: skip
         print(res["rows"][-1], flush=True)
     return res
 
@@ -730,13 +731,18 @@ def bench_pool(args) -> dict:
     return res
 
 
-def _long_context(path, load_format, budget, n_streams, long_len, rand_ids) -> dict:
-    """Streams decode; a long prompt arrives: ITL p99 while it is chunked vs the median before,
-    and its TTFT vs the same prompt on the idle engine."""
+def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane_tokens=None,
+                  lane_reserve_sms=None) -> dict:  # fmt: skip
+    """Streams decode; a long prompt arrives: ITL p99 while it is computed (beside them on the
+    prefill lane where there is one, else chunked into their steps) vs the median before, and
+    its TTFT vs the same prompt on the idle engine."""
     from tinyserve import LLM, SamplingParams
 
-    llm = LLM(path, load_format=load_format, max_num_batched_tokens=budget, seed=0)
+    llm = LLM(path, load_format=load_format, max_num_batched_tokens=budget, seed=0,
+              prefill_lane_tokens=lane_tokens,
+              prefill_lane_reserve_sms=lane_reserve_sms)  # fmt: skip
     engine = llm.engine
+    lane = engine.runner.lane
     long_len = min(long_len, engine.max_model_len - 64)
     one = SamplingParams(temperature=0, max_tokens=1)
     drive(engine, [(0.0, "warm", rand_ids(min(long_len, 4 * budget)), one)])  # compile, warm
@@ -769,8 +775,10 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids) -> d
            "budget": budget, "itl_median_ms_without": 1e3 * _pct(before, 0.5),
            "itl_p99_ms_during": 1e3 * _pct(during, 0.99),
            "itl_median_ms_during": 1e3 * _pct(during, 0.5), "steps_during": len(during),
-           "ttft_long_s": ttft,
-           "ttft_long_alone_s": ttft_alone}  # fmt: skip
+           "ttft_long_s": ttft, "ttft_long_alone_s": ttft_alone,
+           "prefill_lane_tokens": lane.chunk if lane else 0,
+           "prefill_lane_on_stream": bool(lane and lane.stream is not None),
+           "prefill_lane_chunks": lane.num_launched if lane else 0}  # fmt: skip
     row["itl_p99_ratio"] = row["itl_p99_ms_during"] / row["itl_median_ms_without"]
     row["ttft_ratio"] = ttft / ttft_alone
     return row
@@ -1223,6 +1231,10 @@ def main() -> None:
                    "engine (0: long context only)")  # fmt: skip
     p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
                    "of the long-context run (0: skip it)")  # fmt: skip
+    p.add_argument("--lane-tokens", type=int, default=None, help="prefix: the long-context "
+                   "run's prefill_lane_tokens (default: the engine's; 0: no lane)")  # fmt: skip
+    p.add_argument("--lane-reserve-sms", type=int, default=None, help="prefix: the long-context "
+                   "run's prefill_lane_reserve_sms")  # fmt: skip
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
     p.add_argument("--api-key", default=None, help="serve: bearer key, if the server has one")
     p.add_argument("--num-prompts", type=int, default=128, help="serve: requests per run")

@@ -45,6 +45,18 @@ def test_prefix_long_context_alone(tmp_path):
     assert row["workload"] == "long_context" and row["steps_during"] > 1
     assert row["itl_p99_ms_during"] >= row["itl_median_ms_during"] > 0
     assert row["ttft_ratio"] == row["ttft_long_s"] / row["ttft_long_alone_s"]
+    assert row["prefill_lane_tokens"] == 0  # off by default on the CPU
+
+
+def test_prefix_long_context_on_the_prefill_lane(tmp_path):
+    """--lane-tokens: the long prompt's chunks go through the lane (eagerly on the CPU): all
+    of it but its admission chunk and its last token, 4,096 - 256 tokens in 1,024-token
+    chunks."""
+    res = run_bench(tmp_path, "prefix", "--small", "--repeats", "0", "--long-budget", "256",
+                    "--lane-tokens", "1024")  # fmt: skip
+    (row,) = res["rows"]
+    assert row["prefill_lane_tokens"] == 1024 and not row["prefill_lane_on_stream"]
+    assert row["prefill_lane_chunks"] == 4
 
 
 def test_unknown_workload_is_refused():
