@@ -138,3 +138,28 @@ def test_lane_tokens_must_be_whole_blocks(value):
 def test_lane_is_off_by_default_on_the_cpu(model_dir):
     assert make_llm(model_dir).engine.runner.lane is None
     assert make_llm(model_dir, prefill_lane_tokens=32).engine.runner.lane is not None
+
+
+def test_chunks_in_flight_for_several_steps(model_dir, monkeypatch):
+    """On the GPU a lane chunk spans many steps. With the lane's completions held back for 5
+    polls: the outputs stay those of the steps; the short streams finish while the long
+    prompt's two chunks are in flight, and a step with nothing to run then sleeps instead of
+    spinning; with no stream left, the rest of the prompt goes through the steps."""
+    import itertools
+
+    import tinyserve.engine
+
+    prompts, params = lane_workload(seed=5)
+    prompts, params = prompts[:4], params[:4]  # three short ones that stop early, one long
+    for p, n in zip(params, (3, 4, 2)):
+        p.max_tokens = n
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=8)
+    want = outputs(make_llm(model_dir, prefill_lane_tokens=0, **kw), prompts, params)
+    llm = make_llm(model_dir, prefill_lane_tokens=32, **kw)
+    lane, calls = llm.engine.runner.lane, itertools.count()
+    real_poll = lane.poll
+    monkeypatch.setattr(lane, "poll", lambda: real_poll() if next(calls) % 6 == 5 else 0)
+    naps = []
+    monkeypatch.setattr(tinyserve.engine.time, "sleep", naps.append)
+    assert outputs(llm, prompts, params) == want
+    assert lane.num_launched == 2 and naps and set(naps) == {tinyserve.engine.LANE_IDLE_S}

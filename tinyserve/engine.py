@@ -30,6 +30,9 @@ from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 _SEED_MASK = (1 << 63) - 1
 
 
+LANE_IDLE_S = 0.001  # a step with nothing to run but prefill-lane chunks in flight sleeps this
+
+
 def _needs_token_values(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
@@ -237,6 +240,10 @@ class LLMEngine:
             self._launch_lane()
             if batch is not None:
                 self._post_process(self._launch(batch, overlap=False), deltas)
+        if batch is None and self._in_flight is None and self.scheduler.lane:
+            # Only the prefill lane works (its streams finished meanwhile): wait a little
+            # instead of spinning the host, which would also take the GIL from the server.
+            time.sleep(LANE_IDLE_S)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
             self._num_sync_requests -= self._needs_sync(self.requests.pop(rid).params)
         return list(deltas.values())
