@@ -192,21 +192,25 @@ def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
             torch.cuda.empty_cache()
 
 
-def steps_without_sync(engine, strict: range) -> dict[str, list[int]]:
+def steps_without_sync(engine, strict, on_delta=None) -> dict[str, list[int]]:
     """Step the engine to the end; steps whose index is in `strict` (steady state: after prefill
-    and warm-up, before the ends) run under set_sync_debug_mode('error'), so any implicit
-    device sync raises. Returns each request's tokens."""
+    and warm-up, before the ends; or where `strict(index, engine)` is true) run under
+    set_sync_debug_mode('error'), so any implicit device sync raises. Returns each request's
+    tokens; `on_delta` sees every delta."""
     got: dict[str, list[int]] = {}
-    for n in range(200):
+    for n in range(1000):
         if not engine.has_unfinished():
             break
-        torch.cuda.set_sync_debug_mode("error" if n in strict else "default")
+        check = strict(n, engine) if callable(strict) else n in strict
+        torch.cuda.set_sync_debug_mode("error" if check else "default")
         try:
             deltas = engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for d in deltas:
             got.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
+            if on_delta is not None:
+                on_delta(d)
     assert not engine.has_unfinished()
     return got
 
@@ -405,23 +409,19 @@ def test_prefill_lane_on_its_stream_gives_the_steps_outputs(tmp_path):
         for _ in range(5):
             engine.step()
         engine.add_request("long", long, SamplingParams(temperature=0, max_tokens=8, logprobs=5))
-        tokens, first = {}, None
-        for step in range(1000):
-            if not engine.has_unfinished():
-                break
-            busy = lane is not None and bool(engine.scheduler.lane) and step > 8
-            torch.cuda.set_sync_debug_mode("error" if busy else "default")
-            try:
-                deltas = engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            for d in deltas:
-                tokens.setdefault(d.request_id, []).extend(d.outputs[0].token_ids)
-                if d.request_id == "long" and first is None:
-                    first = d.outputs[0].logprobs[0]
+        firsts = []  # the long prompt's logprobs, first token first
+
+        def lane_busy(n, engine, lane=lane):  # the steps beside lane chunks in flight
+            return lane is not None and bool(engine.scheduler.lane) and n > 8
+
+        def keep(d, firsts=firsts):
+            if d.request_id == "long":
+                firsts.extend(d.outputs[0].logprobs)
+
+        tokens = steps_without_sync(engine, lane_busy, keep)
         engine.check_invariants()
         assert lane is None or lane.num_launched == 3  # 500-2548, -4596, -4999 (padded)
-        outs.append((tokens, first))
+        outs.append((tokens, firsts[0]))
         del llm, engine, lane
         gc.collect()
         torch.cuda.empty_cache()
