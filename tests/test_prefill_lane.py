@@ -135,9 +135,25 @@ def test_lane_tokens_must_be_whole_blocks(value):
         EngineConfig(prefill_lane_tokens=value, block_size=16, device="cpu")
 
 
+def test_no_lane_where_no_prompt_could_take_it(model_dir):
+    """The lane takes prompts longer than a chunk and a step's budget: with a max_model_len
+    that leaves none (a chunk's positions, and the start-up capture's, must fit the block
+    table) there is no lane; just above, a long prompt runs on it."""
+    kw = dict(prefill_lane_tokens=16, max_num_batched_tokens=8)
+    assert make_llm(model_dir, max_model_len=16, **kw).engine.runner.lane is None
+    llm = make_llm(model_dir, max_model_len=64, **kw)
+    rng = random.Random(6)
+    prompts = [[9, 10, 11], [rng.randrange(8, VOCAB) for _ in range(50)]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 4)]
+    want = outputs(make_llm(model_dir, max_model_len=64, max_num_batched_tokens=8), prompts, params)
+    assert outputs(llm, prompts, params) == want
+    assert llm.engine.runner.lane.num_launched == 3  # 7-23, 23-39, 39-49 (padded to 16)
+
+
 def test_lane_is_off_by_default_on_the_cpu(model_dir):
     assert make_llm(model_dir).engine.runner.lane is None
-    assert make_llm(model_dir, prefill_lane_tokens=32).engine.runner.lane is not None
+    kw = dict(prefill_lane_tokens=32, max_num_batched_tokens=16)
+    assert make_llm(model_dir, **kw).engine.runner.lane is not None
 
 
 def test_chunks_in_flight_for_several_steps(model_dir, monkeypatch):

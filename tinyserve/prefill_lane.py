@@ -68,6 +68,7 @@ class PrefillLane:
         self.in_flight: deque[torch.cuda.Event | None] = deque()
         self.num_launched = 0
         self.graph = None
+        self.inputs[chunk + 1 :] = scratch_block  # the warm-up and the capture write scratch KV
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

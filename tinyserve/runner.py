@@ -113,6 +113,12 @@ class ModelRunner:
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
         if self.mtp is not None or chunk == 0 or (chunk is None and not graphs):
             return None
+        chunk = chunk or LANE_TOKENS
+        # The lane takes prompts longer than a chunk and a step's budget, within the positions
+        # a block table holds; where none can be, there is no lane (its capture's positions
+        # would not fit the table or the rotary cache either).
+        if self.max_blocks_per_seq * self.block_size <= max(chunk, cfg.max_num_batched_tokens):
+            return None
         stream = None
         if graphs:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -122,8 +128,8 @@ class ModelRunner:
             stream = lane_stream(reserve, self.device.index or 0)
             if stream is None and chunk is None:
                 return None
-        return PrefillLane(self.model, chunk or LANE_TOKENS, self.max_blocks_per_seq,
-                           self.block_size, self.num_kv_blocks, stream)  # fmt: skip
+        return PrefillLane(self.model, chunk, self.max_blocks_per_seq, self.block_size,
+                           self.num_kv_blocks, stream)  # fmt: skip
 
     def _compile_split_attention(self) -> None:
         """Compile the prefill kernel's key-split variant at start-up: the first long prompt

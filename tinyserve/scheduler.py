@@ -130,9 +130,8 @@ class Scheduler:
     def _feed_lane(self, live: list[Sequence]) -> None:
         """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
         else the oldest prompt with more than a chunk (and a step's budget) left takes it.
-        KV is allocated chunk by
-        chunk, as in the steps; without room the lane waits (and the steps chunk the prompt
-        meanwhile)."""
+        KV is allocated chunk by chunk, as in the steps; without room the lane waits (and the
+        steps chunk the prompt meanwhile)."""
         c, seq = self.lane_chunk, self.lane_seq
         if seq is None or seq.status is not SequenceStatus.RUNNING:  # done, aborted, preempted
             # Prompts that would take more than one step; one step's stall is what the steps
