@@ -109,9 +109,10 @@ class ModelRunner:
         contexts). Set explicitly without them, its chunks run eagerly in the step loop."""
         from tinyserve.prefill_lane import PrefillLane, default_reserve_sms, lane_stream
 
-        chunk, cfg = self.config.prefill_lane_tokens, self.config
+        cfg = self.config
+        explicit, chunk = cfg.prefill_lane_tokens is not None, cfg.prefill_lane_tokens
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
-        if self.mtp is not None or chunk == 0 or (chunk is None and not graphs):
+        if self.mtp is not None or chunk == 0 or (not explicit and not graphs):
             return None
         chunk = chunk or LANE_TOKENS
         # The lane takes prompts longer than a chunk and a step's budget, within the positions
@@ -126,8 +127,8 @@ class ModelRunner:
             if reserve >= sms:
                 raise ValueError(f"prefill_lane_reserve_sms={reserve}: the GPU has {sms} SMs")
             stream = lane_stream(reserve, self.device.index or 0)
-            if stream is None and chunk is None:
-                return None
+            if stream is None and not explicit:
+                return None  # no green contexts: eager chunks would stall the steps
         return PrefillLane(self.model, chunk, self.max_blocks_per_seq, self.block_size,
                            self.num_kv_blocks, stream)  # fmt: skip
 
