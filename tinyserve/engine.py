@@ -118,6 +118,7 @@ class LLMEngine:
             spec_lookahead=k - 1 if config.speculative_method == "mtp" else 0,
             max_model_len=self.max_model_len,
             lane_chunk=self.runner.lane.chunk if self.runner.lane is not None else 0,
+            lane_depth=self.runner.lane.depth if self.runner.lane is not None else 0,
             lane_limit=self.runner.max_blocks_per_seq * config.block_size,
         )  # fmt: skip
         # Host-side drafters (n-gram; tests plug in others); MTP drafts come from the runner.

@@ -96,10 +96,11 @@ class Scheduler:
         # A sequence at its length limit is done; the overlapped loop learns it a step late.
         live = [s for s in self.running if not self._exhausted(s)]
         decoding = [s for s in live if s.num_uncomputed == 1]
+        prefilling = [s for s in live if s.num_uncomputed > 1 and not s.lane_tokens]
         self.lane_launches = []
         if self.lane_chunk and decoding:
-            self._feed_lane(live)
-        prefilling = [s for s in live if s.num_uncomputed > 1 and not s.lane_tokens]
+            self._feed_lane(prefilling)
+            prefilling = [s for s in prefilling if not s.lane_tokens]
         # Admissions wait for blocks these will commit: prefills, and sequences whose last
         # step computed full blocks not committed yet (the overlapped loop commits a step late).
         bs = self.pool.block_size
@@ -127,7 +128,7 @@ class Scheduler:
             return None
         return ScheduledBatch(self._batch, self._nums)
 
-    def _feed_lane(self, live: list[Sequence]) -> None:
+    def _feed_lane(self, prefilling: list[Sequence]) -> None:
         """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
         else the oldest prompt with more than a chunk (and a step's budget) left takes it.
         KV is allocated chunk by chunk, as in the steps; without room the lane waits (and the
@@ -137,7 +138,7 @@ class Scheduler:
             # Prompts that would take more than one step; one step's stall is what the steps
             # were sized for (max_num_batched_tokens).
             least = max(c, self.max_num_batched_tokens)
-            seq = self.lane_seq = next((s for s in live if s.num_uncomputed > least), None)
+            seq = self.lane_seq = next((s for s in prefilling if s.num_uncomputed > least), None)
         if seq is not None:
             while len(self.lane) < self.lane_depth:
                 start = seq.num_kv_computed + seq.lane_tokens
