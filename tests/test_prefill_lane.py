@@ -179,3 +179,21 @@ def test_chunks_in_flight_for_several_steps(model_dir, monkeypatch):
     monkeypatch.setattr(tinyserve.engine.time, "sleep", naps.append)
     assert outputs(llm, prompts, params) == want
     assert lane.num_launched == 2 and naps and set(naps) == {tinyserve.engine.LANE_IDLE_S}
+
+
+def test_lane_takes_prompts_longer_than_a_step_and_stays_inside_max_model_len(model_dir):
+    """A prompt whose rest after admission fits one step's budget (23 tokens left, budget 40)
+    stays in the steps even though it is longer than a chunk; and near max_model_len the lane
+    stops where a padded chunk would pass the table (start 55 + 16 > 64): the last tokens go
+    through the steps."""
+    rng = random.Random(7)
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    cases = [(40, 60, 0), (8, 60, 3)]  # (budget, prompt length, lane chunks)
+    for budget, n, chunks in cases:
+        kw = dict(max_model_len=64, max_num_batched_tokens=budget)
+        prompts = [[9, 10, 11], [rng.randrange(8, VOCAB) for _ in range(n)]]
+        want = outputs(make_llm(model_dir, **kw), prompts, [short, one])
+        llm = make_llm(model_dir, prefill_lane_tokens=16, **kw)
+        assert outputs(llm, prompts, [short, one]) == want
+        assert llm.engine.runner.lane.num_launched == chunks, (budget, n)
