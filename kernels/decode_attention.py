@@ -93,49 +93,17 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-# The split count is a runtime argument, never specialized on (Triton would compile a variant
-# for 1 and for multiples of 16): the count follows each step's context length
-# (graphs.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, skip_ptr, out_ptr, part_ptr, lse_ptr,
-    scale_log2e, num_splits,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
-    SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, QUERY_LEN: tl.constexpr,
+@triton.jit
+def _attend_split(
+    m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads, g_mask,
+    last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_LEN: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    # Lengths and block tables are step inputs, and every key but this step's QUERY_LEN new ones
-    # was stored by an earlier forward: the first tile of those is fetched before waiting on the
-    # kernel before (PDL; it writes q and the new keys), so its latency overlaps that kernel.
-    context_len = tl.load(lens_ptr + b)
-    skip = 0  # leading tokens the shared-prefix kernel attends (whole KV blocks)
-    if SHARED_SPLITS > 0:
-        skip = tl.load(skip_ptr + b)
-    # Each split gets whole tiles, so only a split's last tile is partial.
-    split_len = tl.cdiv(tl.cdiv(context_len - skip, num_splits), BLOCK_N) * BLOCK_N
-    start = skip + split * split_len
-    end = tl.minimum(start + split_len, context_len)
-    first_new = context_len - QUERY_LEN
-
-    # Tile row r: query token j = r // GROUP of the row's QUERY_LEN (its last positions), query
-    # head g = r % GROUP of this kv head; padded to a dot-friendly size.
-    r = tl.arange(0, BLOCK_G)
-    token = b * QUERY_LEN + r // GROUP  # row of q / out
-    heads = kv_head * GROUP + r % GROUP
-    g_mask = r < QUERY_LEN * GROUP
-    last_key = first_new + r // GROUP  # causal: the last key each row sees
-    d = tl.arange(0, HEAD_DIM)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    bt_row = bt_ptr + b * stride_bt
+    """Keys [start, end) of one row and kv head into (m_i, l_i, acc). Every key but this step's
+    QUERY_LEN new ones was stored by an earlier forward: the first tile of those is fetched
+    before waiting on the kernel before (PDL; it writes q and the new keys), so its latency
+    overlaps that kernel."""
     n, n_mask, block_ids, offs = _kv_slots(bt_row, start, end, BLOCK_SIZE, BLOCK_N)
     k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask & (n < first_new), d,
                     stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
@@ -149,9 +117,6 @@ def _decode_kernel(
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of log2 scores
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
                                  QUERY_LEN, PRECISION, UPCAST)  # fmt: skip
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
@@ -160,6 +125,72 @@ def _decode_kernel(
                         stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
         m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
                                      QUERY_LEN, PRECISION, UPCAST)  # fmt: skip
+    return m_i, l_i, acc
+
+
+# The split count is a runtime argument, never specialized on (Triton would compile a variant
+# for 1 and for multiples of 16): the count follows each step's context length
+# (graphs.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
+@triton.jit(do_not_specialize=["num_splits", "min_split_len"])
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, skip_ptr, out_ptr, part_ptr, lse_ptr,
+    scale_log2e, num_splits, min_split_len,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, QUERY_LEN: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + b)  # lengths and tables are step inputs: no PDL wait
+    skip = 0  # leading tokens the shared-prefix kernel attends (whole KV blocks)
+    if SHARED_SPLITS > 0:
+        skip = tl.load(skip_ptr + b)
+    # Each split gets whole tiles, so only a split's last tile is partial. A floor on its length
+    # (a multiple of BLOCK_N) leaves a short row's later splits empty where a long row beside it
+    # needs many (graphs.decode_min_split).
+    split_len = tl.cdiv(tl.cdiv(context_len - skip, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
+    start = skip + split * split_len
+    end = tl.minimum(start + split_len, context_len)
+    first_new = context_len - QUERY_LEN
+
+    # Tile row r: query token j = r // GROUP of the row's QUERY_LEN (its last positions), query
+    # head g = r % GROUP of this kv head; padded to a dot-friendly size.
+    r = tl.arange(0, BLOCK_G)
+    token = b * QUERY_LEN + r // GROUP  # row of q / out
+    heads = kv_head * GROUP + r % GROUP
+    g_mask = r < QUERY_LEN * GROUP
+    last_key = first_new + r // GROUP  # causal: the last key each row sees
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of log2 scores
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + b * stride_bt
+    # One split (the common decode step) runs straight through: the branch below cost a batch-64
+    # step's attention 8-13% there (H100). Several may hold empty ones (a short row's beside a
+    # long row, past its context), which skip the reads.
+    if ONE_PASS:
+        m_i, l_i, acc = _attend_split(
+            m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
+            g_mask, last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks,
+            stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, USE_PDL,
+        )  # fmt: skip
+    elif start < end:
+        m_i, l_i, acc = _attend_split(
+            m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
+            g_mask, last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks,
+            stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, USE_PDL,
+        )  # fmt: skip
+    else:
+        pdl_sync(USE_PDL)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (padding rows) gives zeros, not NaN
     if ONE_PASS:  # one split, no shared prefix: the output itself
@@ -171,8 +202,9 @@ def _decode_kernel(
         total = SHARED_SPLITS + num_splits
         head_rows = token * tl.num_programs(1) * GROUP + heads
         row = head_rows * total + SHARED_SPLITS + split
-        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-                 mask=g_mask[:, None])  # fmt: skip
+        if start < end:  # an empty split writes only its lse (-inf): the merge skips it
+            tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
+                     mask=g_mask[:, None])  # fmt: skip
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # empty split: -inf
         tl.store(lse_ptr + row, lse, mask=g_mask)
         if SHARED_SPLITS > 0:  # a row without a shared prefix: its prefix slots are empty
@@ -253,8 +285,9 @@ def merge_kernel(
     lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # softmax weight of each split
-    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
-    part = tl.where(w[:, None] > 0, part, 0.0)  # an empty shared-prefix slot is never written
+    # Empty splits and shared-prefix slots are never written: not read either.
+    used = s_mask & (w > 0)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
     den = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
@@ -303,6 +336,7 @@ def decode_attention(
     shared_lens: torch.Tensor | None = None,
     shared_splits: int = 4,
     block_n: int | None = None,
+    min_split_len: int = 0,
     num_warps: int | None = None,
     num_stages: int | None = None,
     query_len: int = 1,
@@ -310,6 +344,8 @@ def decode_attention(
     """q (B, Hq, D) -> out (B, Hq, D) in q's dtype (fp32 / bf16 / fp16; head_dim and block_size
     powers of two). `max_context_len` (host int, optional) only picks the split count, never the
     result; without it the block-table width stands in (use that under a CUDA graph).
+    `min_split_len` (a multiple of the key tile) floors each row's split length: with many
+    splits, short rows then use their first few and only a long row all of them.
 
     `query_len` > 1 (a speculative verify step: the last token and its drafts): q is
     (B * query_len, Hq, D), sequence b's rows b * query_len.. are its last query_len positions,
@@ -345,6 +381,8 @@ def decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, max_len, q.device)
     block_n = block_n or (16 if interp else 64)
+    check(min_split_len >= 0 and min_split_len % block_n == 0,
+          "min_split_len must be a multiple of the key tile:", block_n)  # fmt: skip
     shared = shared_chunks is not None
     prefix_splits = shared_splits if shared else 0
     total = prefix_splits + num_splits
@@ -380,7 +418,7 @@ def decode_attention(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, shared_lens if shared else context_lens,
         out, part, lse,
-        scale * math.log2(math.e), num_splits,
+        scale * math.log2(math.e), num_splits, min_split_len,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -113,6 +113,31 @@ def test_cuda_graphs_on_off_identical(tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_long_row_beside_short_ones_takes_the_long_split_graphs(tmp_path):
+    """12 short sequences decode beside one whose context passes 9,000 keys: a batch of 13
+    (padded 16: 2 GPU-filling splits) whose longest context leaves a split over LONG_SPLIT_KEYS
+    takes the LONG_SPLITS graphs (short rows in one split of them), with the eager steps'
+    outputs."""
+    from tinyserve.graphs import LONG_SPLITS
+
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=16384)
+    prompts = [[(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)]
+    prompts.append([(7 * j) % 5000 + 100 for j in range(9000)])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, enforce_eager=eager,
+                  prefill_lane_tokens=0)  # the same prompt kernels both ways  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        splits = spy_split_counts(graphs) if graphs is not None else set()
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                  use_tqdm=False)])  # fmt: skip
+        assert eager or LONG_SPLITS in splits, splits
+        del llm, graphs
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+
+
 def test_shared_prefix_graphs_match_eager(tmp_path):
     """24 prompts on two 300-token heads: decode steps replay the shared-prefix (cascade)
     graphs; fp32 keeps rounding out of the comparison with the eager row-by-row attention."""
@@ -422,7 +447,8 @@ def test_prefill_lane_on_its_stream_gives_the_steps_outputs(tmp_path):
         engine.check_invariants()
         assert lane is None or lane.num_launched == 3  # 500-2548, -4596, -4999 (padded)
         outs.append((tokens, firsts[0]))
-        del llm, engine, lane
+        # The closures hold the lane, whose model holds the KV cache: the next engine needs it.
+        del llm, engine, lane, lane_busy, keep
         gc.collect()
         torch.cuda.empty_cache()
     (lane_tokens, lane_first), (step_tokens, step_first) = outs

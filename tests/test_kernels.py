@@ -149,6 +149,26 @@ def test_decode_attention_verify_rows(dtype, case, query_len):
     assert_rel(out, want, dtype)
 
 
+@pytest.mark.parametrize("query_len", [1, 2])
+@pytest.mark.parametrize("min_split_len", [0, 64])
+def test_decode_attention_long_row_beside_short_ones(query_len, min_split_len):
+    """A long row beside short ones in 16 splits: with a 64-key floor on the split length the
+    long row uses 5 splits and each short row only its first (the empty ones write no partial
+    output, only an lse of -inf, and the merge skips them); without it every row is cut in 16."""
+    lens = [3 + query_len, 300, 9, query_len]
+    k_cache, v_cache, table, context_lens = paged_cache(4, lens, 2, 64, 16, F32)
+    q = randn(4 * query_len, 4, 64)
+    cu = torch.arange(0, 4 * query_len + 1, query_len, dtype=torch.int32, device=DEVICE)
+    want = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.125)
+    out = poisoned(q)
+    decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, out, num_splits=16,
+                     min_split_len=min_split_len, query_len=query_len)  # fmt: skip
+    assert_rel(out, want, F32)
+    with pytest.raises(ValueError, match="multiple of the key tile"):
+        decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, num_splits=16,
+                         min_split_len=24, query_len=query_len)  # fmt: skip
+
+
 def shared_prefix_case(num_heads, num_kv_heads, head_dim, block_size, dtype):
     """Six rows: rows 0, 1, 3 share their first 2 blocks (two chunks of one group), rows 2, 4
     their first block, row 5 nothing; plus an unused chunk. Returns the inputs and the chunks."""

@@ -225,14 +225,20 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     """A decode step's split count: the padded batch's GPU-filling count, cut to a power of two
     of at most KEYS_PER_SPLIT keys per split for its longest context, and to one split (no merge
     pass) up to twice that; batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head
-    model. Splits the context cut take the short key tile, GPU-filling ones the default."""
+    model; LONG_SPLITS (each split at least LONG_MIN_SPLIT keys) where the longest context
+    would leave a split over LONG_SPLIT_KEYS keys.
+    Splits the context cut take the short key tile, GPU-filling and long ones the default."""
     from tinyserve.kernels import decode_attention
 
     from tinyserve import graphs
     from tinyserve.graphs import (
         KEYS_PER_SPLIT,
+        LONG_MIN_SPLIT,
+        LONG_SPLIT_KEYS,
+        LONG_SPLITS,
         SHORT_SPLIT_BLOCK_N,
         decode_block_n,
+        decode_min_split,
         decode_num_splits,
     )
 
@@ -252,8 +258,15 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
             ] == [1, 1, 1, 4, 4, 16, 32]  # fmt: skip
     assert [block_n(1, s) for s in (1, 4, 16, 32)] == [None] + [SHORT_SPLIT_BLOCK_N] * 2 + [None]
     assert splits(3, 4 * keys) == splits(4, 4 * keys) == 4  # padded size
-    assert splits(64, 40960) == splits(64, None) == 1
-    assert block_n(64, 1) is None
+    assert splits(64, None) == splits(64, LONG_SPLIT_KEYS) == 1
+    # A longer context (one long row beside short ones) takes LONG_SPLITS, the default tile.
+    assert splits(64, LONG_SPLIT_KEYS + 1) == splits(64, 40960) == LONG_SPLITS
+    assert splits(1, 40960) == 32  # batch 1 fills the GPU with 32 splits already
+    assert block_n(64, 1) is None and block_n(64, LONG_SPLITS) is None
+    # ... each at least LONG_MIN_SPLIT keys long (short rows use one); other counts no floor.
+    assert decode_min_split(64, 256, 8, 40960, cuda, LONG_SPLITS) == LONG_MIN_SPLIT
+    assert decode_min_split(64, 256, 8, 40960, cuda, 1) == 0
+    assert decode_min_split(1, 256, 8, 40960, cuda, 32) == 0  # batch 1's GPU-filling count
     assert decode_num_splits(1, 256, 8, 40960, torch.device("cpu"), 4096) == 1
     assert decode_block_n(1, 256, 8, 40960, torch.device("cpu"), 4) is None
     graphs._full_num_splits.cache_clear()

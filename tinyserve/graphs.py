@@ -62,13 +62,23 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
 # but one 64-key tile (no merge pass) beats two splits up to 64 keys: 0.685 vs 0.701 at 48.
 KEYS_PER_SPLIT = 32
 SHORT_SPLIT_BLOCK_N = 32
+# A step whose longest context would give a split more than LONG_SPLIT_KEYS keys at the GPU-
+# filling count takes LONG_SPLITS splits instead, each at least LONG_MIN_SPLIT keys long, so
+# short rows use their first (the rest are empty and skip their reads) and a long row all of
+# them. Else one long row beside many short ones is read by one program per kv head, the step's
+# tail: H100, 63 rows of ~300 keys and one of 32k, decode steps of 27.0 -> 4.4 ms (qwen3-0.6b)
+# and 36.6 -> 9.9 ms (llama-3.1-8b), against 1.9 / 6.9 ms without that row (scratch/hetero.py).
+LONG_SPLIT_KEYS = 4096
+LONG_SPLITS = 16
+LONG_MIN_SPLIT = 512
 
 
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
                       device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
     cut to the power of two that gives the step's longest context at most KEYS_PER_SPLIT keys
-    per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys. A function
+    per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys; raised to
+    LONG_SPLITS where the longest context would leave a split over LONG_SPLIT_KEYS. A function
     of the padded size and the longest context, so eager and graph steps sum in the same order.
     Verify steps take the same count (MiMo-7B batch-1 verify graph, k = 1, 32-token prompts:
     ~0.2 ms less with 1-2 splits than with 32)."""
@@ -77,6 +87,8 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
     if max_context_len is None:
         return full
+    if max_context_len > full * LONG_SPLIT_KEYS:
+        return max(full, LONG_SPLITS)
     tiles = -(-max_context_len // KEYS_PER_SPLIT)
     return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
 
@@ -91,6 +103,16 @@ def decode_block_n(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len:
         return None
     full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
     return SHORT_SPLIT_BLOCK_N if 1 < num_splits < full else None
+
+
+def decode_min_split(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
+                     device: torch.device, num_splits: int) -> int:  # fmt: skip
+    """The floor of a row's split length for a step of num_splits splits: LONG_MIN_SPLIT for a
+    long-context count (above the GPU-filling one), else none (0)."""
+    if device.type != "cuda":
+        return 0
+    full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
+    return LONG_MIN_SPLIT if num_splits > full else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -277,6 +299,8 @@ class DecodeGraphs:
         keys = [(bs, False, full)]
         if full is not None:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
+            if full < LONG_SPLITS and self.max_len > full * LONG_SPLIT_KEYS:
+                keys.append((bs, False, LONG_SPLITS))
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
     def _layout(self, bs: int, chunk: int | None = None) -> tuple[int, int, int]:
@@ -322,6 +346,9 @@ class DecodeGraphs:
             verify_query_len=0 if decode or self.prefill else self.query_len,
             num_splits=splits,
             decode_block_n=None if splits is None else decode_block_n(
+                bs, self.max_num_seqs, self.num_kv_heads, self.max_len, self.buffer.device,
+                splits),
+            decode_min_split=0 if splits is None else decode_min_split(
                 bs, self.max_num_seqs, self.num_kv_heads, self.max_len, self.buffer.device,
                 splits),
             shared_prefix=(chunks, lens) if shared else None,

@@ -19,14 +19,13 @@ scheduler and the engine through it)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections import deque
 
 import torch
 
 from tinyserve.layers.attention import AttentionMetadata, forward_context
-
-_GREEN_CONTEXTS: list = []  # never destroyed: see lane_stream
 
 
 @functools.cache
@@ -43,7 +42,11 @@ def lane_stream(reserve_sms: int, device_index: int) -> torch.cuda.Stream | None
         stream = ctx.Stream()
     except (ImportError, AttributeError, RuntimeError):
         return None
-    _GREEN_CONTEXTS.append(ctx)
+    # One reference that is never dropped: a module-level list is cleared at interpreter exit,
+    # possibly before an engine left in a global (or a traceback) frees tensors used on the
+    # stream, whose destructors then record events in the destroyed context (a crash at exit,
+    # seen on the H100). The driver frees the context with the process.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(ctx))
     return stream
 
 

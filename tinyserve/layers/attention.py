@@ -40,6 +40,7 @@ class AttentionMetadata:
     # (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
     decode_block_n: int | None = None  # its key tile (graphs.decode_block_n); None: the default
+    decode_min_split: int = 0  # the floor of a row's split length (graphs.decode_min_split)
     # Key splits of the prefill kernel in an eager step (kernels.prefill_attention.
     # prefill_num_splits): a long prompt's chunk beside short rows fills the GPU.
     prefill_num_splits: int = 1
@@ -209,7 +210,7 @@ class Attention(nn.Module):
             return decode_attention(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale,
                 max_context_len=md.max_context_len or None, num_splits=md.num_splits,
-                block_n=md.decode_block_n,
+                block_n=md.decode_block_n, min_split_len=md.decode_min_split,
                 shared_chunks=md.shared_prefix[0] if md.shared_prefix else None,
                 shared_lens=md.shared_prefix[1] if md.shared_prefix else None,
                 query_len=md.verify_query_len or 1,
