@@ -66,8 +66,8 @@ SHORT_SPLIT_BLOCK_N = 32
 # filling count takes LONG_SPLITS splits instead, each at least LONG_MIN_SPLIT keys long, so
 # short rows use their first (the rest are empty and skip their reads) and a long row all of
 # them. Else one long row beside many short ones is read by one program per kv head, the step's
-# tail: H100, 63 rows of ~300 keys and one of 32k, decode steps of 27.0 -> 4.4 ms (qwen3-0.6b)
-# and 36.6 -> 9.9 ms (llama-3.1-8b), against 1.9 / 6.9 ms without that row (scratch/hetero.py).
+# tail: H100, 63 rows of ~300 keys and one of 32k, decode steps of 27.0 -> 4.2 ms (qwen3-0.6b)
+# and 36.6 -> 9.6 ms (llama-3.1-8b), against 1.9 / 6.9 ms without that row (scratch/hetero.py).
 LONG_SPLIT_KEYS = 4096
 LONG_SPLITS = 16
 LONG_MIN_SPLIT = 512
