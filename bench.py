@@ -8,7 +8,8 @@ Workloads:
   e2e   (CUDA) the engine on model shapes with dummy weights (--model qwen3-0.6b ...): latency
         (batch 1), nano-vllm, decode-heavy, prefill-heavy, batch 64 vs transformers (--workloads).
   prefix  prefix caching on vs off (shared prefix, no sharing; --repeats fresh sets) and the
-        long-context interleaving run (--long-budget; 0 skips it). --small: the CPU sizes.
+        long-context interleaving run (--long-budget; 0 skips it: streams decode, a long prompt
+        arrives, then decodes beside them). --small: the CPU sizes.
   spec  speculative decoding: n-gram on edit prompts (CPU), or MTP on --model mimo-7b with
         acceptance forced to 0..k (GPU).
   pool  the block pool's host cost per KV block, prefix caching on vs off, and the objects the
@@ -731,11 +732,15 @@ def bench_pool(args) -> dict:
     return res
 
 
+LONG_ROW_TOKENS = 32  # the long prompt's tokens after its first, decoded beside the streams
+
+
 def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane_tokens=None,
                   lane_reserve_sms=None) -> dict:  # fmt: skip
     """Streams decode; a long prompt arrives: ITL p99 while it is computed (beside them on the
     prefill lane where there is one, else chunked into their steps) vs the median before, and
-    its TTFT vs the same prompt on the idle engine."""
+    its TTFT vs the same prompt on the idle engine; then the ITL median while it decodes
+    LONG_ROW_TOKENS tokens beside them (one long row among short ones)."""
     from tinyserve import LLM, SamplingParams
 
     llm = LLM(path, load_format=load_format, max_num_batched_tokens=budget, seed=0,
@@ -755,17 +760,21 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane
     for _ in range(10):  # admission and warm-up
         engine.step()
     long_ids = rand_ids(long_len)  # fresh ids: no prefix hit (drawn here: 32k draws take ~10 ms)
-    before, during, t_long, ttft, last = [], [], None, None, time.perf_counter()
-    while ttft is None:
+    long = SamplingParams(temperature=0, max_tokens=1 + LONG_ROW_TOKENS, ignore_eos=True)
+    before, during, beside, t_long, ttft, last = [], [], [], None, None, time.perf_counter()
+    done = False
+    while not done:
         if t_long is None and len(before) >= 30:
-            engine.add_request("long", long_ids, one)
+            engine.add_request("long", long_ids, long)
             t_long = time.perf_counter()
         deltas = engine.step()
         now = time.perf_counter()
-        (during if t_long is not None else before).append(now - last)
+        (before if t_long is None else during if ttft is None else beside).append(now - last)
         last = now
-        if any(d.request_id == "long" for d in deltas):
-            ttft = now - t_long
+        for d in deltas:
+            if d.request_id == "long":
+                ttft = ttft or now - t_long
+                done = d.finished
     for i in range(n_streams):
         engine.abort(f"s{i}")
     engine.step()
@@ -779,9 +788,11 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane
            "ttft_long_s": ttft, "ttft_long_alone_s": ttft_alone,
            "prefill_lane_tokens": lane.chunk if lane else 0,
            "prefill_lane_on_stream": bool(lane and lane.stream is not None),
-           "prefill_lane_chunks": lane.num_launched if lane else 0}  # fmt: skip
+           "prefill_lane_chunks": lane.num_launched if lane else 0,
+           "itl_median_ms_beside_long_row": 1e3 * _pct(beside, 0.5)}  # fmt: skip
     row["itl_p99_ratio"] = row["itl_p99_ms_during"] / row["itl_median_ms_without"]
     row["ttft_ratio"] = ttft / ttft_alone
+    row["long_row_itl_ratio"] = row["itl_median_ms_beside_long_row"] / row["itl_median_ms_without"]
     return row
 
 
