@@ -226,6 +226,39 @@ def test_forced_acceptance_emits_the_drafts(mimo_dir):
     assert run(zero, prompts(2)) == run(make_llm(mimo_dir), prompts(2)) != got
 
 
+# -- the verify-graph path on the CPU --------------------------------------------------------------
+
+
+def with_replayed_verify_graphs(llm):
+    """The runner's graph path for MTP steps on the CPU: decode and verify DecodeGraphs with
+    capture=False (their static-buffer forwards run eagerly), and the verify set's drafting
+    run on the same static buffers after each replay, as the GPU's drafting graph is."""
+    from tinyserve.graphs import DecodeGraphs
+
+    r = llm.engine.runner
+    args = (r.model, r.config.max_num_seqs, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size)
+    r.graphs = DecodeGraphs(*args, capture=False)
+    r.verify_graphs = DecodeGraphs(*args, query_len=r.config.num_speculative_tokens + 1,
+                                   capture=False)  # fmt: skip
+    r.verify_graphs.capture_drafts(r.draft_tokens)
+    return llm
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize(("k", "force"), [(1, None), (3, None), (3, 2), (2, 0)])
+def test_verify_graph_path_gives_the_eager_outputs(mimo_dir, reference, overlap, k, force):
+    """MTP steps through the verify graphs and their drafting (padded to the graph sizes, the
+    previous step's drafts shifted into the static inputs, the graph's own argmax as the
+    greedy tokens): the eager steps' outputs, with acceptance free or forced."""
+    kw = dict(speculative_method="mtp", num_speculative_tokens=k, spec_force_accept=force,
+              async_scheduling=overlap, max_num_seqs=8)  # fmt: skip
+    want = reference if force is None else run(make_llm(mimo_dir, **kw), prompts())
+    llm = with_replayed_verify_graphs(make_llm(mimo_dir, **kw))
+    assert run(llm, prompts()) == want
+    assert llm.engine.runner.verify_graphs.num_replays > 5  # 40 tokens, 3 a step when forced
+    assert llm.engine.spec_stats.num_accepted_tokens > 0 or force == 0
+
+
 # -- the overlapped loop with MTP --------------------------------------------------------------
 
 
