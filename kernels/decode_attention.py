@@ -174,9 +174,9 @@ def _decode_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + b * stride_bt
-    # One split (the common decode step) runs straight through: the branch below cost a batch-64
-    # step's attention 8-13% there (H100). Several may hold empty ones (a short row's beside a
-    # long row, past its context), which skip the reads.
+    # One split (the common decode step) runs straight through: a runtime branch around it cost
+    # batch-64 attention 8-13% (H100, an earlier version). Several splits may hold empty ones (a
+    # short row's beside a long row, past its context), which skip the reads.
     if ONE_PASS:
         m_i, l_i, acc = _attend_split(
             m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
