@@ -169,6 +169,35 @@ def test_decode_attention_long_row_beside_short_ones(query_len, min_split_len):
                          min_split_len=24, query_len=query_len)  # fmt: skip
 
 
+@pytest.mark.parametrize("min_split_len", [0, 64])
+def test_decode_attention_split_floor_leaves_short_rows_one_split(monkeypatch, min_split_len):
+    """Which splits hold keys, seen in the partial outputs (allocated NaN here): with a 64-key
+    floor the 300-key row writes 5 of its 16 splits and the 9-key row 1; without it 10 and 1.
+    Empty splits write no partial output, and the merge does not read them (the output has
+    no NaN)."""
+    parts = []
+    empty = torch.empty
+
+    def poisoned_empty(*shape, **kw):
+        t = empty(*shape, **kw)
+        if len(shape) == 4 and kw.get("dtype") == torch.float32:  # part (T, Hq, S, D)
+            t.fill_(float("nan"))
+            parts.append(t)
+        return t
+
+    lens = [9, 300]
+    k_cache, v_cache, table, context_lens = paged_cache(2, lens, 2, 64, 16, F32)
+    q = randn(2, 4, 64)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    out = decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, num_splits=16,
+                           min_split_len=min_split_len)  # fmt: skip
+    monkeypatch.undo()
+    assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.125), F32)
+    (part,) = parts
+    written = (~part.isnan()).all(-1).all(1).sum(-1).tolist()  # splits written, per row
+    assert written == ([1, 5] if min_split_len else [1, 10])
+
+
 def shared_prefix_case(num_heads, num_kv_heads, head_dim, block_size, dtype):
     """Six rows: rows 0, 1, 3 share their first 2 blocks (two chunks of one group), rows 2, 4
     their first block, row 5 nothing; plus an unused chunk. Returns the inputs and the chunks."""
@@ -391,8 +420,9 @@ def test_attention_match_layer_references():
 
 
 def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
-    """A decode step's split count and key tile (graphs.decode_num_splits / decode_block_n, in
-    the metadata) reach the Triton decode kernel through the layer, with the oracle's output."""
+    """A decode step's split count, key tile and split floor (graphs.decode_num_splits /
+    decode_block_n / decode_min_split, in the metadata) reach the Triton decode kernel through
+    the layer, with the oracle's output."""
     from types import SimpleNamespace
 
     from tinyserve.layers import attention as layer
@@ -413,6 +443,7 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
         is_decode_only=True,
         num_splits=4,
         decode_block_n=32,
+        decode_min_split=64,
     )
     rope = SimpleNamespace(positions=torch.tensor(last, device=DEVICE),
                            cos_sin_cache=randn(128, 64))  # fmt: skip
@@ -425,6 +456,7 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
     with layer.forward_context(md):
         out = attn._forward_triton(qkv, rope, None, None)
     assert [(c["num_splits"], c["block_n"]) for c in calls] == [(4, 32)]
+    assert calls[0]["min_split_len"] == 64  # graphs.decode_min_split's floor, too
     q = qkv[:, : 8 * 64].view(2, 8, 64)  # rotated in place by the layer
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.1), F32)
 
