@@ -299,8 +299,8 @@ class DecodeGraphs:
         keys = [(bs, False, full)]
         if full is not None:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
-            if full < LONG_SPLITS and self.max_len > full * LONG_SPLIT_KEYS:
-                keys.append((bs, False, LONG_SPLITS))
+            longest = self._num_splits(bs, self.max_len)  # a long row's count, if it has one
+            keys += [(bs, False, longest)] * (longest > full)
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
     def _layout(self, bs: int, chunk: int | None = None) -> tuple[int, int, int]:
