@@ -6,8 +6,8 @@ start): the target's token at each of its positions, the last one included. draf
 the draft proposed for the position after row r, -1 where none, so a segment's last row always
 mismatches. A sequence accepts its drafts up to the first row whose sampled token differs.
 `force` (benchmarks only) accepts min(force, drafts) whatever the target says, and writes those
-drafts into `sampled` in place (the tokens the step then emits). The torch version took ~15
-small launches, paid on every speculative step.
+drafts into `sampled` in place (the tokens the step then emits); as a device tensor, -1 is none.
+The torch version took ~15 small launches, paid on every speculative step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ._common import check, next_pow2
 
 @triton.jit
 def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, num_rows, num_segs, force,
-                   BLOCK_R: tl.constexpr, FORCE: tl.constexpr):  # fmt: skip
+                   force_ptr, BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr):  # fmt: skip
     s = tl.program_id(0)
     start = tl.load(starts_ptr + s)
     end = tl.load(starts_ptr + s + 1, mask=s + 1 < num_segs, other=num_rows)
@@ -29,14 +29,16 @@ def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, num_rows, num_se
     rows = start + i
     inside = rows < end
     draft = tl.load(draft_ptr + rows, mask=inside, other=-1)
-    if FORCE:
+    if FORCE_AT:  # the count lives on the device: a CUDA graph reads it at each replay
+        force = tl.load(force_ptr)
+    if force >= 0:
         last = tl.min(tl.where(inside & (draft < 0), i, BLOCK_R), 0)
-        accepted = tl.minimum(last, force)
+        accepted = tl.minimum(last.to(tl.int64), force.to(tl.int64))
         tl.store(sampled_ptr + rows, draft, mask=inside & (i < accepted))
     else:
         token = tl.load(sampled_ptr + rows, mask=inside, other=-1)
-        accepted = tl.min(tl.where(inside & (token != draft), i, BLOCK_R), 0)
-    tl.store(acc_ptr + s, accepted.to(tl.int64))
+        accepted = tl.min(tl.where(inside & (token != draft), i, BLOCK_R), 0).to(tl.int64)
+    tl.store(acc_ptr + s, accepted)
 
 
 def accept_drafts(
@@ -44,20 +46,27 @@ def accept_drafts(
     draft_next: torch.Tensor,
     seg_starts: torch.Tensor,
     max_rows: int,
-    force: int | None = None,
+    force: int | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Segments are at most `max_rows` rows long (k + 1)."""
+    """Segments are at most `max_rows` rows long (k + 1). `force` may also be a (1,) int64
+    device tensor, -1 for none (read by the kernel: a graph replays it with its current
+    value); `out` (S,) int64 receives the counts."""
     check(sampled.dtype == draft_next.dtype == seg_starts.dtype == torch.long, "int64 inputs")
     check(sampled.shape == draft_next.shape and sampled.dim() == 1, "sampled, draft_next: (R,)")
     check(sampled.is_contiguous() and draft_next.is_contiguous() and seg_starts.is_contiguous(),
           "contiguous inputs")  # fmt: skip
     num_segs = seg_starts.shape[0]
-    accepted = torch.empty(num_segs, dtype=torch.long, device=sampled.device)
+    at = isinstance(force, torch.Tensor)
+    check(not at or (force.shape == (1,) and force.dtype == torch.long), "force: (1,) int64")
+    accepted = out if out is not None else torch.empty(num_segs, dtype=torch.long,
+                                                       device=sampled.device)  # fmt: skip
+    check(accepted.shape == (num_segs,) and accepted.dtype == torch.long, "out: (S,) int64")
     if num_segs:
         _accept_kernel[(num_segs,)](
             sampled, draft_next, seg_starts, accepted, sampled.shape[0], num_segs,
-            0 if force is None else force, BLOCK_R=next_pow2(max(max_rows, 2)),
-            FORCE=force is not None,
+            -1 if force is None or at else force, force if at else accepted,
+            BLOCK_R=next_pow2(max(max_rows, 2)), FORCE_AT=at,
         )  # fmt: skip
     return accepted
 
@@ -66,19 +75,23 @@ def accept_drafts_ref(
     sampled: torch.Tensor,
     draft_next: torch.Tensor,
     seg_starts: torch.Tensor,
-    force: int | None = None,
+    force: int | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch ops, no host sync: the first mismatching row of each segment by scatter-min."""
     num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
     rows = torch.arange(num_rows, device=sampled.device)
     seg_ids = torch.searchsorted(seg_starts, rows, right=True) - 1  # each row's segment
     first = torch.full((num_segs,), num_rows, device=sampled.device)
-    if force is not None:
-        stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence
-        accepted = torch.clamp(first.scatter_reduce(0, seg_ids, stop, "amin") - seg_starts,
-                               max=force)  # fmt: skip
-        take = rows - seg_starts[seg_ids] < accepted[seg_ids]
-        sampled.copy_(torch.where(take, draft_next, sampled))
-        return accepted
     miss = torch.where(sampled != draft_next, rows, num_rows)
-    return first.scatter_reduce(0, seg_ids, miss, "amin") - seg_starts
+    accepted = first.scatter_reduce(0, seg_ids, miss, "amin") - seg_starts
+    if force is not None:
+        if not isinstance(force, torch.Tensor):
+            force = torch.tensor([force], device=sampled.device)
+        stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence
+        forced = torch.minimum(first.scatter_reduce(0, seg_ids, stop, "amin") - seg_starts,
+                               force)  # fmt: skip
+        accepted = torch.where(force >= 0, forced, accepted)
+        take = (force >= 0) & (rows - seg_starts[seg_ids] < accepted[seg_ids])
+        sampled.copy_(torch.where(take, draft_next, sampled))
+    return accepted if out is None else out.copy_(accepted)

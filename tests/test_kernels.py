@@ -725,6 +725,20 @@ def test_accept_drafts_per_segment():
         assert forced.tolist() == [5, 6, 7, 8, 2, 3, 4, 9]
 
 
+def test_accept_drafts_reads_a_device_force():
+    """force as a (1,) device tensor (what a CUDA graph replays): -1 accepts by the tokens, a
+    count forces as the int does, into `out`."""
+    sampled, draft_next = _long([5, 6, 7, 1, 2, 3, 4, 9]), _long([5, 6, -1, 8, 2, 3, -1, -1])
+    starts = _long([0, 3, 7])
+    for fn, args in ((accept_drafts, (starts, 4)), (accept_drafts_ref, (starts,))):
+        out = _long([9, 9, 9])
+        assert fn(sampled.clone(), draft_next, *args, force=_long([-1]), out=out) is out
+        assert out.tolist() == [2, 0, 0]
+        forced = sampled.clone()
+        assert fn(forced, draft_next, *args, force=_long([1])).tolist() == [1, 1, 0]
+        assert forced.tolist() == [5, 6, 7, 8, 2, 3, 4, 9]
+
+
 @pytest.mark.parametrize("force", [None, 0, 2])
 def test_accept_drafts_matches_ref(force):
     """Random segments of 1..k+1 rows whose drafts match the target's tokens at random."""

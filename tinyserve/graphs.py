@@ -393,26 +393,38 @@ class DecodeGraphs:
         return hidden, logits
 
     def capture_drafts(self, draft_tokens) -> None:
-        """Capture `draft_tokens` (the runner's MTP drafting) per padded batch size, reading this
-        graph set's static inputs and outputs, so a verify step drafts without eager launches.
-        Padded rows own no KV slots (limit 0): their chained drafts write the scratch slot.
-        With capture=False the drafting runs eagerly on the same static buffers."""
+        """Capture what follows a verify replay, per padded batch size: the accepted counts
+        (from the replay's tokens in `last_sampled`, the staged drafts and the forced count)
+        and `draft_tokens` (the runner's MTP drafting), so a verify step runs no eager kernel
+        between its two graphs. Padded rows own no KV slots (limit 0, no drafts): their chained
+        drafts write the scratch slot. With capture=False the same runs eagerly."""
+        from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref
+
         n, q, dev = self.sizes[-1], self.query_len, self.buffer.device
-        self.next_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
-        self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        self.draft_next = torch.full((n * q,), -1, dtype=torch.long, device=dev)
         self.limits = torch.zeros(n, dtype=torch.long, device=dev)
+        self.force = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: not forced
+        self.staged_force: int | None = None
         self.seg_starts = torch.arange(0, n * q, q, device=dev)
-        self.draft_graphs: dict[int, tuple] = {}  # bs -> (graph, out), or (None, run) eagerly
+        self.draft_graphs: dict[int, tuple] = {}  # bs -> (graph, outs), or (None, run) eagerly
         pool = getattr(self, "pool", None)
         for bs in reversed(self.sizes):
             key = self._keys(bs)[0]  # any split count's: they share inputs and `hidden`
 
-            def run(bs=bs, key=key) -> torch.Tensor:
-                chosen = self.seg_starts[:bs] + self.accepted[:bs]
-                return draft_tokens(self.metadata[key], self._fields(bs)[2],
-                                    self.outputs[key][0], self.next_ids[: bs * q],
-                                    chosen, self.block_tables[:bs], self.limits[:bs],
-                                    None)  # fmt: skip
+            def run(bs=bs, key=key) -> tuple[torch.Tensor, torch.Tensor]:
+                # A verify step samples every row: its tokens are the MTP layer's next ids.
+                sampled, starts = self.last_sampled[: bs * q], self.seg_starts[:bs]
+                if dev.type == "cuda":
+                    accepted = accept_drafts(sampled, self.draft_next[: bs * q], starts, q,
+                                             self.force)  # fmt: skip
+                else:
+                    accepted = accept_drafts_ref(sampled, self.draft_next[: bs * q], starts,
+                                                 self.force)  # fmt: skip
+                drafts = draft_tokens(self.metadata[key], self._fields(bs)[2],
+                                      self.outputs[key][0], sampled, starts + accepted,
+                                      self.block_tables[:bs], self.limits[:bs],
+                                      None)  # fmt: skip
+                return accepted, drafts
 
             if not self.capture:  # `draft` runs it after the eager replay (the CPU tests)
                 self.draft_graphs[bs] = (None, run)
@@ -421,27 +433,38 @@ class DecodeGraphs:
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = run()
+                outs = run()
             pool = graph.pool()
-            self.draft_graphs[bs] = (graph, out)
+            self.draft_graphs[bs] = (graph, outs)
         self.pool = pool
 
-    def draft(self, next_ids, accepted, limits) -> torch.Tensor:
-        """Replay the drafting graph of the last `run`'s batch: (B, k) drafts."""
-        b, q = accepted.shape[0], self.query_len
+    def stage_drafts(self, draft_next: torch.Tensor, limits: torch.Tensor,
+                     force: int | None) -> torch.Tensor:  # fmt: skip
+        """Before a verify replay: copy the drafts it verifies (R,) and the KV limits (B,) in,
+        and the forced count where it changed (benchmarks); returns the drafts' static view,
+        which the shift of the step in flight then edits in place."""
+        b, q, r = limits.shape[0], self.query_len, draft_next.shape[0]
         bs = next(s for s in self.sizes if s >= b)
-        self.next_ids[: b * q].copy_(next_ids)
-        self.accepted[:b].copy_(accepted)
+        self.draft_next[:r].copy_(draft_next)
         self.limits[:b].copy_(limits)
-        if b < bs:  # padded rows
-            self.next_ids[b * q : bs * q].zero_()
-            self.accepted[b:bs].zero_()
+        if b < bs:  # padded rows: no drafts, no KV
+            self.draft_next[r : bs * q].fill_(-1)
             self.limits[b:bs].zero_()
-        graph, out = self.draft_graphs[bs]
-        if graph is None:  # capture=False: `out` is the drafting itself
-            return out()[:b]
-        graph.replay()
-        return out[:b]
+        if force != self.staged_force:
+            self.force.fill_(-1 if force is None else force)
+            self.staged_force = force
+        return self.draft_next[:r]
+
+    def draft(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the verify replay of b rows: replay the accept-and-draft graph of its size
+        (`last_sampled` must hold the step's tokens); (B,) accepted counts and (B, k) drafts,
+        static until the next replay."""
+        graph, outs = self.draft_graphs[next(s for s in self.sizes if s >= b)]
+        if graph is None:  # capture=False: `outs` is the run itself
+            outs = outs()
+        else:
+            graph.replay()
+        return outs[0][:b], outs[1][:b]
 
     def _copy_shared_plan(self, tables: np.ndarray, ctx: np.ndarray, bs: int, pin: bool) -> bool:
         """Plan this step's shared prefixes; if worth it, copy the plan to the shared graph's

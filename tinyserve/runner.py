@@ -284,10 +284,17 @@ class ModelRunner:
         # Plain graph steps copy nothing else to the device: the graph reads its own buffer.
         x = self._device_inputs(h) if graphs is None or h.spec or self.mtp is not None else None
         fix = None
+        # A verify-graph step of an MTP model accepts and drafts in a graph of its own, right
+        # after the verify replay: its inputs are staged in that graph's buffers first.
+        graphed = self.mtp is not None and graphs is not None and graphs is self.verify_graphs
+        draft_next = x.draft_next if x is not None else None
+        if graphed:
+            draft_next = graphs.stage_drafts(x.draft_next, x.kv_limits,
+                                             self.config.spec_force_accept)  # fmt: skip
         if x is not None and x.shift is not None:  # tokens of the MTP step in flight
             shift = spec_shift if self.device.type == "cuda" else spec_shift_ref
 
-            def fix(*inputs, draft_next=x.draft_next):  # ids, positions, slots, ctx, tables
+            def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
                 outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
                 shift(x.shift, outs, inputs, self.block_size, draft_next)
 
@@ -343,24 +350,27 @@ class ModelRunner:
             st = SamplingTensors.build(rows, logits.shape[-1], self.device, shift)
             result = sample(logits, st)
         sampled = result.token_ids
-        if x is not None and x.draft_next is not None:
-            # spec_force_accept (benchmarks): the first f drafts become the emitted tokens,
-            # written into `sampled`
+        # spec_force_accept (benchmarks): the first f drafts become the emitted tokens, written
+        # into `sampled`
+        accepted = drafts = None
+        if graphed:  # the accept-and-draft graph reads the tokens where the replay left them
+            own = graphs.last_sampled[: len(rows)]
+            if sampled.data_ptr() != own.data_ptr():
+                own.copy_(sampled)
+            sampled = own
+            accepted, drafts = graphs.draft(len(x.seg_starts))
+        elif x is not None and x.draft_next is not None:
             force = self.config.spec_force_accept
             if self.device.type == "cuda":
                 rows_per_seq = self.config.num_speculative_tokens + 1
                 accepted = accept_drafts(sampled, x.draft_next, x.seg_starts, rows_per_seq, force)
             else:
                 accepted = accept_drafts_ref(sampled, x.draft_next, x.seg_starts, force)
-        else:
-            accepted = None
         last = self.graphs.last_sampled if self.graphs is not None else None
         if last is not None and sampled.data_ptr() != last.data_ptr() and len(rows) <= len(last):
             last[: len(rows)].copy_(sampled)  # where the next graph step gathers its inputs
-        drafts = None
-        if self.mtp is not None:
-            graphed = graphs is not None and graphs is self.verify_graphs
-            drafts = self._mtp_drafts(x, hidden, sampled, accepted, graphed)
+        if self.mtp is not None and not graphed:
+            drafts = self._mtp_drafts(x, hidden, sampled, accepted)
         step = PendingStep(h.seg_starts, rows, sampled)
         if self.mtp is not None:  # the next step may start from these on the device
             step.seg_dev, step.accepted, step.drafts = x.seg_starts, accepted, drafts
@@ -389,14 +399,12 @@ class ModelRunner:
             return self.mtp(next_ids, hidden, positions, target_hidden=True)
 
     def _mtp_drafts(self, x: StepInputs, hidden: torch.Tensor, sampled: torch.Tensor,
-                    accepted: torch.Tensor | None, graphed: bool) -> torch.Tensor:  # fmt: skip
-        """k drafts per sampling sequence (S, k), on the device; `graphed`: the verify graph ran
-        this step, so its MTP graph (same static inputs) drafts."""
+                    accepted: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """k drafts per sampling sequence (S, k), on the device, after an eager forward or a
+        decode graph (a verify graph drafts in its own graph: `DecodeGraphs.draft`)."""
         next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
         if accepted is None:
             accepted = torch.zeros_like(x.seg_starts)
-        if graphed:
-            return self.verify_graphs.draft(next_ids, accepted, x.kv_limits)
         chosen = x.idx[x.seg_starts] + accepted  # token index of the last verified position
         tables = x.metadata.block_tables[x.sample_rows]  # (S, W)
         return self.draft_tokens(x.metadata, x.positions, hidden, next_ids, chosen, tables,
