@@ -352,12 +352,14 @@ def test_verify_steps_take_the_split_k_decode_kernel(tmp_path, monkeypatch):
     assert 4 in query_lens
 
 
-@pytest.mark.parametrize(("force", "temperature"), [(None, 0), (2, 0), (2, 0.8)])
+@pytest.mark.parametrize(("force", "temperature"), [(None, 0), (None, 0.8), (2, 0), (2, 0.8)])
 def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force, temperature):
     """MTP verify steps overlap: the next step's last token, drafts, positions and (seeded
     sampling) RNG counters come from the step in flight on the device. Steady-state steps run
     under set_sync_debug_mode('error') and give the synchronous loop's tokens (forced
-    acceptance: every step moves positions and counters)."""
+    acceptance: every step moves positions and counters). Sampled rows read the accepted
+    counts of the step in flight after their own verify replay: those counts must not sit in
+    memory the replay reuses (free acceptance diverged at the second verify step)."""
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=4096)  # fmt: skip

@@ -404,6 +404,9 @@ class DecodeGraphs:
         self.draft_next = torch.full((n * q,), -1, dtype=torch.long, device=dev)
         self.limits = torch.zeros(n, dtype=torch.long, device=dev)
         self.force = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: not forced
+        # The accepted counts live outside the graph pool: the next step's sampling reads them
+        # (seeded counters) after the next verify replay, whose scratch the pool may reuse.
+        self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
         self.staged_force: int | None = None
         self.seg_starts = torch.arange(0, n * q, q, device=dev)
         self.draft_graphs: dict[int, tuple] = {}  # bs -> (graph, outs), or (None, run) eagerly
@@ -414,12 +417,11 @@ class DecodeGraphs:
             def run(bs=bs, key=key) -> tuple[torch.Tensor, torch.Tensor]:
                 # A verify step samples every row: its tokens are the MTP layer's next ids.
                 sampled, starts = self.last_sampled[: bs * q], self.seg_starts[:bs]
+                drafted, out = self.draft_next[: bs * q], self.accepted[:bs]
                 if dev.type == "cuda":
-                    accepted = accept_drafts(sampled, self.draft_next[: bs * q], starts, q,
-                                             self.force)  # fmt: skip
+                    accepted = accept_drafts(sampled, drafted, starts, q, self.force, out=out)
                 else:
-                    accepted = accept_drafts_ref(sampled, self.draft_next[: bs * q], starts,
-                                                 self.force)  # fmt: skip
+                    accepted = accept_drafts_ref(sampled, drafted, starts, self.force, out=out)
                 drafts = draft_tokens(self.metadata[key], self._fields(bs)[2],
                                       self.outputs[key][0], sampled, starts + accepted,
                                       self.block_tables[:bs], self.limits[:bs],
@@ -457,8 +459,9 @@ class DecodeGraphs:
 
     def draft(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After the verify replay of b rows: replay the accept-and-draft graph of its size
-        (`last_sampled` must hold the step's tokens); (B,) accepted counts and (B, k) drafts,
-        static until the next replay."""
+        (`last_sampled` must hold the step's tokens); (B,) accepted counts, valid until the
+        next drafting replay, and (B, k) drafts, valid only until the next verify replay (they
+        sit in the graph pool, which that replay's scratch may reuse)."""
         graph, outs = self.draft_graphs[next(s for s in self.sizes if s >= b)]
         if graph is None:  # capture=False: `outs` is the run itself
             outs = outs()
