@@ -138,6 +138,45 @@ def test_long_row_beside_short_ones_takes_the_long_split_graphs(tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_mixed_graphs_read_a_long_decode_row_in_the_long_split_count(tmp_path):
+    """A prompt is chunked (mixed graphs, no lane) while 12 short sequences decode beside one
+    whose context passes 9,000 keys: those mixed steps take the LONG_SPLITS graphs, with the
+    eager steps' tokens (float32: eager mixed steps attend decode rows with the prefill kernel)."""
+    from tinyserve.graphs import LONG_SPLITS
+
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=16384)
+    prompts = {f"s{i}": [(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)}
+    prompts["long"] = [(7 * j) % 5000 + 100 for j in range(9000)]
+    late = [(11 * j) % 4000 + 70 for j in range(400)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)  # past the late one
+
+    def run(eager: bool) -> tuple[dict, set]:
+        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=16,
+                  num_kv_blocks=2048, max_num_batched_tokens=128, enforce_eager=eager,
+                  prefill_lane_tokens=0)  # fmt: skip
+        engine, used, sent = llm.engine, set(), []
+        for g in engine.runner.mixed_graphs.values():
+            for key, graph in list(g.graphs.items()):
+                g.graphs[key] = SimpleNamespace(
+                    replay=lambda key=key, graph=graph: (used.add(key[2][0]), graph.replay())
+                )
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, params if rid == "long" else short)
+
+        def arrive(d):  # the late prompt, once the long row decodes
+            if d.request_id == "long" and not sent:
+                sent.append(engine.add_request("late", late, params))
+
+        return steps_without_sync(engine, range(0), arrive), used
+
+    graphed, used = run(eager=False)
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert LONG_SPLITS in used, used
+    assert graphed == run(eager=True)[0]
+
+
 def test_shared_prefix_graphs_match_eager(tmp_path):
     """24 prompts on two 300-token heads: decode steps replay the shared-prefix (cascade)
     graphs; fp32 keeps rounding out of the comparison with the eager row-by-row attention."""

@@ -315,6 +315,33 @@ def test_mixed_graphs_give_the_eager_outputs(model_dir, overlap):
     assert all(g.logits is decode.logits and g.buffer is decode.buffer for g in mixed.values())
 
 
+def test_mixed_graphs_take_a_long_decode_row_s_split_count(model_dir, monkeypatch):
+    """A decode row whose context would take a long row's split count (decode_num_splits; here
+    a stand-in: 4 splits past 100 keys, since the CPU has none) decodes while another prompt is
+    chunked: those mixed steps replay the graphs of that count, the others the GPU-filling one,
+    with the eager steps' outputs."""
+    from tinyserve import graphs
+
+    monkeypatch.setattr(
+        graphs,
+        "decode_num_splits",
+        lambda n, m, h, length, dev, ctx=None: 4 if ctx and ctx > 100 else 1,
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(8, VOCAB) for _ in range(n)] for n in (5, 3, 130, 160)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=8)
+    want = outputs(make_llm(model_dir, **kw), prompts, [params] * 4)
+    llm = with_replayed_graphs(make_llm(model_dir, **kw))
+    used = []
+    for g in llm.engine.runner.mixed_graphs.values():
+        assert {key[2][0] for key in g._keys(4)} == {1, 4}
+        run = g._run
+        g._run = lambda *key, run=run: (used.append(key[2][0]), run(*key))[1]
+    assert outputs(llm, prompts, [params] * 4) == want
+    assert 4 in used and 1 in used, used
+
+
 def test_packed_to_device_views():
     """A step's inputs (and the sampler's) travel in one copy: each view has its array's
     values, dtype and shape, and starts 16-byte aligned (Triton compiles a kernel variant per

@@ -190,7 +190,9 @@ class DecodeGraphs:
     steps before and after gather each other's tokens). Tokens: the decode rows padded to the
     size, then the chunk padded at its end; the decode kernel attends the decode rows and the
     prefill kernel the chunk, so neither grid depends on the other. Its logits rows are the
-    sampled rows (the decode rows, then the chunk's last token where it samples).
+    sampled rows (the decode rows, then the chunk's last token where it samples). Each size has
+    graphs for both chunk key-split counts, each at the decode rows' GPU-filling count and, where
+    the table allows a long row, at a long row's count (`decode_num_splits`).
 
     `capture=False` replays by running the same static-buffer forward eagerly: the CPU tests
     drive the runner's graph path with it (there are no CUDA graphs on the CPU)."""
@@ -292,10 +294,12 @@ class DecodeGraphs:
         return decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
                                  self.buffer.device, max_context_len)  # fmt: skip
 
-    def _keys(self, bs: int) -> list[tuple[int, bool, int | None]]:
-        if self.mixed:  # the third entry: the chunk's key splits
-            return [(bs, False, 1), (bs, False, MIXED_SPLITS)]
+    def _keys(self, bs: int) -> list[tuple[int, bool, int | tuple[int, int] | None]]:
         full = self._num_splits(bs)
+        if self.mixed:  # the third entry: (the decode rows' splits, the chunk's key splits)
+            longest = self._num_splits(bs, self.max_len)
+            decode = [full] + [longest] * (longest > full)  # a long decode row's count too
+            return [(bs, False, (d, c)) for d in decode for c in (1, MIXED_SPLITS)]
         keys = [(bs, False, full)]
         if full is not None:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
@@ -365,10 +369,11 @@ class DecodeGraphs:
         greedy(logits, out=self.last_sampled[: logits.shape[0]])
         return hidden, logits
 
-    def _run_mixed(self, bs: int, splits: int, host_ctx: list[int] | None = None
+    def _run_mixed(self, bs: int, splits: tuple[int, int], host_ctx: list[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
-        dev = self.buffer.device
+        dev, (decode_splits, chunk_splits) = self.buffer.device, splits
+        shape = (bs, self.max_num_seqs, self.num_kv_heads, self.max_len, dev, decode_splits)
         md = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[: bs + 1],
@@ -378,10 +383,10 @@ class DecodeGraphs:
             context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
             max_context_len=0,
             is_decode_only=False,
-            num_splits=decode_num_splits(
-                bs, self.max_num_seqs, self.num_kv_heads, self.max_len, dev
-            ),  # fmt: skip
-            prefill_num_splits=splits,
+            num_splits=decode_splits,
+            decode_block_n=decode_block_n(*shape),
+            decode_min_split=decode_min_split(*shape),
+            prefill_num_splits=chunk_splits,
             chunk=(bs, self.chunk_cu),
         )
         self.metadata[bs, False, splits] = md
@@ -580,8 +585,11 @@ class DecodeGraphs:
         w = tables.shape[1]
         self.block_tables[:d, :w].copy_(host_tables[:d], non_blocking=True)
         self.block_tables[bs, :w].copy_(host_tables[d], non_blocking=True)
-        splits = self._mixed_splits([1] * d + [c], context_lens)
-        key = (bs, False, splits)
+        # The decode rows' count follows their longest context, as a decode step's does: a long
+        # row among them is read by all of a long count's splits, not one program a kv head.
+        full, longest = self._num_splits(bs), self._num_splits(bs, max(context_lens[:d]))
+        decode_splits = max(full, longest)  # shorter contexts keep the GPU-filling count
+        key = (bs, False, (decode_splits, self._mixed_splits([1] * d + [c], context_lens)))
         if self.capture:
             self.graphs[key].replay()
         else:

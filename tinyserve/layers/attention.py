@@ -234,6 +234,8 @@ class Attention(nn.Module):
             self.scale,
             out[:d],
             num_splits=md.num_splits,
+            block_n=md.decode_block_n,
+            min_split_len=md.decode_min_split,
         )
         prefill_attention(q[d:], self.k_cache, self.v_cache, md.block_tables[d:], cu,
                           md.context_lens[d:], q.shape[0] - d, self.scale, out[d:],
