@@ -6,7 +6,7 @@ split) reads its slice of the context once for all Hq/Hkv query heads; with seve
 second pass merges them by log-sum-exp. Splits are cut per sequence in the kernel, so the grid
 depends on shapes and the split count only (CUDA-graph safe). Under PDL a program fetches its
 first tile of earlier keys before waiting on the kernel before (which writes q and this step's
-keys), so short splits (`graphs.decode_block_n`: 32-key tiles) are nearly free on a batch-1
+keys), so short splits (`graphs.decode_tiling`: 32-key tiles) are nearly free on a batch-1
 step's chain. H100, bf16, batch 64 x 4k tokens: 389 us, 93% of the measured copy bandwidth (361
 us without that fetch, when decode kernels run back to back as in bench.py's timing).
 
@@ -153,7 +153,7 @@ def _decode_kernel(
         skip = tl.load(skip_ptr + b)
     # Each split gets whole tiles, so only a split's last tile is partial. A floor on its length
     # (a multiple of BLOCK_N) leaves a short row's later splits empty where a long row beside it
-    # needs many (graphs.decode_min_split).
+    # needs many (graphs.decode_tiling).
     split_len = tl.cdiv(tl.cdiv(context_len - skip, num_splits), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, min_split_len)
     start = skip + split * split_len

@@ -91,7 +91,7 @@ def spy_split_counts(graphs) -> set:
 def test_cuda_graphs_on_off_identical(tmp_path):
     """Batch 12, then one sequence whose context grows from 50 to 300 keys: its decode steps
     move through graphs of 1, 4, 8 and 16 splits (decode_num_splits; the last three in 32-key
-    tiles, decode_block_n), as the eager steps do."""
+    tiles, decode_tiling), as the eager steps do."""
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=4096)
     prompts = [[(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -420,9 +420,9 @@ def test_attention_match_layer_references():
 
 
 def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
-    """A decode step's split count, key tile and split floor (graphs.decode_num_splits /
-    decode_block_n / decode_min_split, in the metadata) reach the Triton decode kernel through
-    the layer, with the oracle's output."""
+    """A decode step's split count, key tile and split floor (graphs.decode_num_splits and
+    decode_tiling, in the metadata) reach the Triton decode kernel through the layer, with the
+    oracle's output."""
     from types import SimpleNamespace
 
     from tinyserve.layers import attention as layer
@@ -456,7 +456,7 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
     with layer.forward_context(md):
         out = attn._forward_triton(qkv, rope, None, None)
     assert [(c["num_splits"], c["block_n"]) for c in calls] == [(4, 32)]
-    assert calls[0]["min_split_len"] == 64  # graphs.decode_min_split's floor, too
+    assert calls[0]["min_split_len"] == 64  # graphs.decode_tiling's floor, too
     q = qkv[:, : 8 * 64].view(2, 8, 64)  # rotated in place by the layer
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.1), F32)
 

@@ -237,9 +237,8 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
         LONG_SPLIT_KEYS,
         LONG_SPLITS,
         SHORT_SPLIT_BLOCK_N,
-        decode_block_n,
-        decode_min_split,
         decode_num_splits,
+        decode_tiling,
     )
 
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
@@ -250,7 +249,7 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
         return decode_num_splits(batch, 256, 8, 40960, cuda, ctx)
 
     def block_n(batch, num_splits):
-        return decode_block_n(batch, 256, 8, 40960, cuda, num_splits)
+        return decode_tiling(batch, 256, 8, 40960, cuda, num_splits)[0]
 
     assert splits(1, None) == 32
     keys = KEYS_PER_SPLIT
@@ -264,11 +263,11 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     assert splits(1, 40960) == 32  # batch 1 fills the GPU with 32 splits already
     assert block_n(64, 1) is None and block_n(64, LONG_SPLITS) is None
     # ... each at least LONG_MIN_SPLIT keys long (short rows use one); other counts no floor.
-    assert decode_min_split(64, 256, 8, 40960, cuda, LONG_SPLITS) == LONG_MIN_SPLIT
-    assert decode_min_split(64, 256, 8, 40960, cuda, 1) == 0
-    assert decode_min_split(1, 256, 8, 40960, cuda, 32) == 0  # batch 1's GPU-filling count
+    assert decode_tiling(64, 256, 8, 40960, cuda, LONG_SPLITS)[1] == LONG_MIN_SPLIT
+    assert decode_tiling(64, 256, 8, 40960, cuda, 1)[1] == 0
+    assert decode_tiling(1, 256, 8, 40960, cuda, 32)[1] == 0  # batch 1's GPU-filling count
     assert decode_num_splits(1, 256, 8, 40960, torch.device("cpu"), 4096) == 1
-    assert decode_block_n(1, 256, 8, 40960, torch.device("cpu"), 4) is None
+    assert decode_tiling(1, 256, 8, 40960, torch.device("cpu"), 4) == (None, 0)
     graphs._full_num_splits.cache_clear()
 
 

@@ -93,26 +93,19 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
 
 
-def decode_block_n(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
-                   device: torch.device, num_splits: int) -> int | None:  # fmt: skip
-    """The decode kernel's key tile for a step of num_splits splits: SHORT_SPLIT_BLOCK_N where
-    the context cut the count (each split holds at most KEYS_PER_SPLIT keys), else the kernel's
-    default (a GPU-filling count may hold long splits). A function of the padded size and the
-    count, so a graph and the eager steps of its key sum alike."""
+def decode_tiling(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
+                  device: torch.device, num_splits: int) -> tuple[int | None, int]:  # fmt: skip
+    """(key tile, floor of a row's split length) of a decode step of num_splits splits:
+    SHORT_SPLIT_BLOCK_N where the context cut the count (each split holds at most
+    KEYS_PER_SPLIT keys), else the kernel's default (None: a GPU-filling count may hold long
+    splits); LONG_MIN_SPLIT for a long-context count (above the GPU-filling one), else no floor
+    (0). A function of the padded size and the count, so a graph and the eager steps of its key
+    sum alike."""
     if device.type != "cuda":
-        return None
+        return None, 0
     full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
-    return SHORT_SPLIT_BLOCK_N if 1 < num_splits < full else None
-
-
-def decode_min_split(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
-                     device: torch.device, num_splits: int) -> int:  # fmt: skip
-    """The floor of a row's split length for a step of num_splits splits: LONG_MIN_SPLIT for a
-    long-context count (above the GPU-filling one), else none (0)."""
-    if device.type != "cuda":
-        return 0
-    full = _full_num_splits(num_seqs, max_num_seqs, num_kv_heads, max_len, device)
-    return LONG_MIN_SPLIT if num_splits > full else 0
+    return (SHORT_SPLIT_BLOCK_N if 1 < num_splits < full else None,
+            LONG_MIN_SPLIT if num_splits > full else 0)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
@@ -294,6 +287,12 @@ class DecodeGraphs:
         return decode_num_splits(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
                                  self.buffer.device, max_context_len)  # fmt: skip
 
+    def _tiling(self, bs: int, splits: int | None) -> tuple[int | None, int]:
+        if splits is None:  # prefill graphs
+            return None, 0
+        return decode_tiling(bs, self.max_num_seqs, self.num_kv_heads, self.max_len,
+                             self.buffer.device, splits)  # fmt: skip
+
     def _keys(self, bs: int) -> list[tuple[int, bool, int | tuple[int, int] | None]]:
         full = self._num_splits(bs)
         if self.mixed:  # the third entry: (the decode rows' splits, the chunk's key splits)
@@ -338,6 +337,7 @@ class DecodeGraphs:
             n = self.sizes[-1]
             lens = self.shared_buffer[:bs]
             chunks = self.shared_buffer[n:].view(n // 2, 1 + self.shared_rows)[: bs // 2]
+        block_n, min_split = self._tiling(bs, splits)
         md = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[:bs],
@@ -349,12 +349,8 @@ class DecodeGraphs:
             is_decode_only=decode,
             verify_query_len=0 if decode or self.prefill else self.query_len,
             num_splits=splits,
-            decode_block_n=None if splits is None else decode_block_n(
-                bs, self.max_num_seqs, self.num_kv_heads, self.max_len, self.buffer.device,
-                splits),
-            decode_min_split=0 if splits is None else decode_min_split(
-                bs, self.max_num_seqs, self.num_kv_heads, self.max_len, self.buffer.device,
-                splits),
+            decode_block_n=block_n,
+            decode_min_split=min_split,
             shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
         self.metadata[bs, shared, splits] = md
@@ -372,8 +368,8 @@ class DecodeGraphs:
     def _run_mixed(self, bs: int, splits: tuple[int, int], host_ctx: list[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
-        dev, (decode_splits, chunk_splits) = self.buffer.device, splits
-        shape = (bs, self.max_num_seqs, self.num_kv_heads, self.max_len, dev, decode_splits)
+        decode_splits, chunk_splits = splits
+        block_n, min_split = self._tiling(bs, decode_splits)
         md = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[: bs + 1],
@@ -384,8 +380,8 @@ class DecodeGraphs:
             max_context_len=0,
             is_decode_only=False,
             num_splits=decode_splits,
-            decode_block_n=decode_block_n(*shape),
-            decode_min_split=decode_min_split(*shape),
+            decode_block_n=block_n,
+            decode_min_split=min_split,
             prefill_num_splits=chunk_splits,
             chunk=(bs, self.chunk_cu),
         )

@@ -226,14 +226,13 @@ class ModelRunner:
         x = device_inputs(h, self.device, self.mtp is not None)
         md = x.metadata
         if (md.is_decode_only or md.verify_query_len) and self.device.type == "cuda":
-            from tinyserve.graphs import decode_block_n, decode_min_split, decode_num_splits
+            from tinyserve.graphs import decode_num_splits, decode_tiling
 
             shape = (len(h.q_lens), self.config.max_num_seqs,
                      self.model_config.num_key_value_heads,
                      self.max_blocks_per_seq * self.block_size, self.device)  # fmt: skip
             md.num_splits = decode_num_splits(*shape, max(h.ctx_lens))
-            md.decode_block_n = decode_block_n(*shape, md.num_splits)
-            md.decode_min_split = decode_min_split(*shape, md.num_splits)
+            md.decode_block_n, md.decode_min_split = decode_tiling(*shape, md.num_splits)
         elif self.device.type == "cuda":
             mc = self.model_config
             md.prefill_num_splits = prefill_num_splits(

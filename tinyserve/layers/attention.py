@@ -39,8 +39,8 @@ class AttentionMetadata:
     # (graphs.decode_num_splits), so that eager and CUDA-graph steps sum in the same order
     # (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
-    decode_block_n: int | None = None  # its key tile (graphs.decode_block_n); None: the default
-    decode_min_split: int = 0  # the floor of a row's split length (graphs.decode_min_split)
+    decode_block_n: int | None = None  # its key tile (graphs.decode_tiling); None: the default
+    decode_min_split: int = 0  # the floor of a row's split length (graphs.decode_tiling)
     # Key splits of the prefill kernel in an eager step (kernels.prefill_attention.
     # prefill_num_splits): a long prompt's chunk beside short rows fills the GPU.
     prefill_num_splits: int = 1
