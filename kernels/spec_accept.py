@@ -95,3 +95,18 @@ def accept_drafts_ref(
         take = (force >= 0) & (rows - seg_starts[seg_ids] < accepted[seg_ids])
         sampled.copy_(torch.where(take, draft_next, sampled))
     return accepted if out is None else out.copy_(accepted)
+
+
+def accept(
+    sampled: torch.Tensor,
+    draft_next: torch.Tensor,
+    seg_starts: torch.Tensor,
+    max_rows: int,
+    force: int | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`accept_drafts` on a CUDA device, `accept_drafts_ref` elsewhere (the CPU runs no
+    compiled Triton)."""
+    if sampled.is_cuda:
+        return accept_drafts(sampled, draft_next, seg_starts, max_rows, force, out)
+    return accept_drafts_ref(sampled, draft_next, seg_starts, force, out)

@@ -294,16 +294,14 @@ class DecodeGraphs:
                              self.buffer.device, splits)  # fmt: skip
 
     def _keys(self, bs: int) -> list[tuple[int, bool, int | tuple[int, int] | None]]:
-        full = self._num_splits(bs)
+        full, longest = self._num_splits(bs), self._num_splits(bs, self.max_len)
+        long = [longest] if full is not None and longest > full else []  # a long row's count
         if self.mixed:  # the third entry: (the decode rows' splits, the chunk's key splits)
-            longest = self._num_splits(bs, self.max_len)
-            decode = [full] + [longest] * (longest > full)  # a long decode row's count too
-            return [(bs, False, (d, c)) for d in decode for c in (1, MIXED_SPLITS)]
+            return [(bs, False, (d, c)) for d in [full, *long] for c in (1, MIXED_SPLITS)]
         keys = [(bs, False, full)]
         if full is not None:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
-            longest = self._num_splits(bs, self.max_len)  # a long row's count, if it has one
-            keys += [(bs, False, longest)] * (longest > full)
+        keys += [(bs, False, s) for s in long]
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
 
     def _layout(self, bs: int, chunk: int | None = None) -> tuple[int, int, int]:
@@ -399,7 +397,7 @@ class DecodeGraphs:
         and `draft_tokens` (the runner's MTP drafting), so a verify step runs no eager kernel
         between its two graphs. Padded rows own no KV slots (limit 0, no drafts): their chained
         drafts write the scratch slot. With capture=False the same runs eagerly."""
-        from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref
+        from tinyserve.kernels.spec_accept import accept
 
         n, q, dev = self.sizes[-1], self.query_len, self.buffer.device
         self.draft_next = torch.full((n * q,), -1, dtype=torch.long, device=dev)
@@ -418,11 +416,8 @@ class DecodeGraphs:
             def run(bs=bs, key=key) -> tuple[torch.Tensor, torch.Tensor]:
                 # A verify step samples every row: its tokens are the MTP layer's next ids.
                 sampled, starts = self.last_sampled[: bs * q], self.seg_starts[:bs]
-                drafted, out = self.draft_next[: bs * q], self.accepted[:bs]
-                if dev.type == "cuda":
-                    accepted = accept_drafts(sampled, drafted, starts, q, self.force, out=out)
-                else:
-                    accepted = accept_drafts_ref(sampled, drafted, starts, self.force, out=out)
+                accepted = accept(sampled, self.draft_next[: bs * q], starts, q, self.force,
+                                  out=self.accepted[:bs])  # fmt: skip
                 drafts = draft_tokens(self.metadata[key], self._fields(bs)[2],
                                       self.outputs[key][0], sampled, starts + accepted,
                                       self.block_tables[:bs], self.limits[:bs],

@@ -15,7 +15,7 @@ import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.kernels.prefill_attention import prefill_attention, prefill_num_splits
-from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref
+from tinyserve.kernels.spec_accept import accept
 from tinyserve.kernels.spec_shift import spec_shift, spec_shift_ref
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
@@ -350,7 +350,7 @@ class ModelRunner:
             result = sample(logits, st)
         sampled = result.token_ids
         # spec_force_accept (benchmarks): the first f drafts become the emitted tokens, written
-        # into `sampled`
+        # into `sampled` by the accept kernel.
         accepted = drafts = None
         if graphed:  # the accept-and-draft graph reads the tokens where the replay left them
             own = graphs.last_sampled[: len(rows)]
@@ -359,12 +359,9 @@ class ModelRunner:
             sampled = own
             accepted, drafts = graphs.draft(len(x.seg_starts))
         elif x is not None and x.draft_next is not None:
-            force = self.config.spec_force_accept
-            if self.device.type == "cuda":
-                rows_per_seq = self.config.num_speculative_tokens + 1
-                accepted = accept_drafts(sampled, x.draft_next, x.seg_starts, rows_per_seq, force)
-            else:
-                accepted = accept_drafts_ref(sampled, x.draft_next, x.seg_starts, force)
+            accepted = accept(sampled, x.draft_next, x.seg_starts,
+                              self.config.num_speculative_tokens + 1,
+                              self.config.spec_force_accept)  # fmt: skip
         last = self.graphs.last_sampled if self.graphs is not None else None
         if last is not None and sampled.data_ptr() != last.data_ptr() and len(rows) <= len(last):
             last[: len(rows)].copy_(sampled)  # where the next graph step gathers its inputs
