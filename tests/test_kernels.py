@@ -461,6 +461,49 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.1), F32)
 
 
+def test_mixed_step_hands_the_decode_rows_split_plan_to_the_kernel(monkeypatch):
+    """A mixed step (decode rows, then one prompt chunk): the decode rows' split count, key
+    tile and split floor reach the decode kernel, and the outputs are the oracle's."""
+    from types import SimpleNamespace
+
+    from tinyserve.layers import attention as layer
+
+    lens, block_size, chunk = [40, 70, 20], 16, 3
+    k_cache, v_cache, table, context_lens = paged_cache(3, lens, 2, 64, block_size, F32)
+    pos = [39, 69, *range(20 - chunk, 20)]
+    rows = [0, 1] + [2] * chunk
+    slots = [int(table[b, p // block_size]) * block_size + p % block_size
+             for b, p in zip(rows, pos)]  # fmt: skip
+    cu = torch.tensor([0, 1, 2, 2 + chunk], dtype=torch.int32, device=DEVICE)
+    md = layer.AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_tables=table,
+        cu_seqlens_q=cu,
+        context_lens=context_lens,
+        query_lens_cpu=[1, 1, chunk],
+        context_lens_cpu=lens,
+        max_context_len=0,
+        is_decode_only=False,
+        num_splits=4,
+        decode_block_n=32,
+        decode_min_split=64,
+        chunk=(2, torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)),
+    )
+    rope = SimpleNamespace(positions=torch.tensor(pos, device=DEVICE),
+                           cos_sin_cache=randn(128, 64))  # fmt: skip
+    attn = layer.Attention(num_heads=8, head_dim=64, scale=0.1, num_kv_heads=2)
+    attn.k_cache, attn.v_cache = k_cache, v_cache
+    calls, kernel = [], layer.decode_attention
+    monkeypatch.setattr(layer, "decode_attention",
+                        lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))  # fmt: skip
+    qkv = randn(2 + chunk, (8 + 2 * 2) * 64)
+    with layer.forward_context(md):
+        out = attn._forward_triton(qkv, rope, None, None)
+    assert [(c["num_splits"], c["block_n"], c["min_split_len"]) for c in calls] == [(4, 32, 64)]
+    q = qkv[:, : 8 * 64].view(2 + chunk, 8, 64)  # rotated in place by the layer
+    assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.1), F32)
+
+
 # --------------------------------------------------------------------------- small ops
 
 
