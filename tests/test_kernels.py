@@ -392,6 +392,18 @@ def test_prefill_num_splits_fills_the_gpu_only_for_long_lone_tiles(monkeypatch):
     assert pa.prefill_num_splits([48], [32768], 16, 8, torch.device("cpu")) == 1
 
 
+def test_prefill_tile_is_tall_only_for_one_long_chunk_that_fits():
+    from tinyserve.kernels.prefill_attention import prefill_tile
+
+    h100, small = 232448, 101376  # bytes of shared memory a program may opt into
+    assert prefill_tile(1, 4096 * 2, torch.bfloat16, h100) == (128, 128, 8, 3)  # the lane's
+    assert prefill_tile(1, 1024, torch.bfloat16, h100) == (128, 128, 8, 3)
+    assert prefill_tile(1, 1023, torch.bfloat16, h100) == (64, 64, 4, 3)  # a short chunk
+    assert prefill_tile(65, 8192, torch.bfloat16, h100) == (64, 64, 4, 3)  # decode rows too
+    assert prefill_tile(1, 8192, torch.float32, h100) == (64, 64, 4, 2)  # no room: 2 stages
+    assert prefill_tile(1, 8192, torch.bfloat16, small) == (64, 64, 4, 3)
+
+
 def test_attention_match_layer_references():
     """The kernels' oracles and the layers' torch path agree (same head mapping, same mask)."""
     from tinyserve.layers.attention import AttentionMetadata
