@@ -112,3 +112,11 @@ def spec_shift_ref(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple |
         ctx[row] = ctx[row] + a.to(ctx.dtype)  # every token of a row writes the same value
     if draft_next is not None:
         draft_next[logit] = torch.where(j < num, drafts[seq, j.clamp(max=k - 1)], -1)
+
+
+def shift_inputs(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | None,
+                 block_size: int, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+    """`spec_shift` on a CUDA device, `spec_shift_ref` elsewhere (the CPU runs no compiled
+    Triton)."""
+    fn = spec_shift if shift[0].is_cuda else spec_shift_ref
+    fn(shift, prev, inputs, block_size, draft_next)

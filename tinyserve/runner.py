@@ -16,7 +16,7 @@ import torch
 from tinyserve.config import EngineConfig, ModelConfig
 from tinyserve.kernels.prefill_attention import prefill_attention, prefill_num_splits
 from tinyserve.kernels.spec_accept import accept
-from tinyserve.kernels.spec_shift import spec_shift, spec_shift_ref
+from tinyserve.kernels.spec_shift import shift_inputs
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
 from tinyserve.loader import load_model
 from tinyserve.pending import PendingStep, to_host
@@ -291,11 +291,10 @@ class ModelRunner:
             draft_next = graphs.stage_drafts(x.draft_next, x.kv_limits,
                                              self.config.spec_force_accept)  # fmt: skip
         if x is not None and x.shift is not None:  # tokens of the MTP step in flight
-            shift = spec_shift if self.device.type == "cuda" else spec_shift_ref
 
             def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
                 outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
-                shift(x.shift, outs, inputs, self.block_size, draft_next)
+                shift_inputs(x.shift, outs, inputs, self.block_size, draft_next)
 
             # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
             # otherwise the eager forward or the eager MTP drafting reads these.
