@@ -397,8 +397,8 @@ def test_prefill_tile_is_tall_only_for_one_long_chunk_that_fits():
 
     h100, small = 232448, 101376  # bytes of shared memory a program may opt into
     assert prefill_tile(1, 4096 * 2, torch.bfloat16, h100) == (128, 128, 8, 3)  # the lane's
-    assert prefill_tile(1, 1024, torch.bfloat16, h100) == (128, 128, 8, 3)
-    assert prefill_tile(1, 1023, torch.bfloat16, h100) == (64, 64, 4, 3)  # a short chunk
+    assert prefill_tile(1, 448 * 2, torch.bfloat16, h100) == (128, 128, 8, 3)
+    assert prefill_tile(1, 895, torch.bfloat16, h100) == (64, 64, 4, 3)  # a short chunk
     assert prefill_tile(65, 8192, torch.bfloat16, h100) == (64, 64, 4, 3)  # decode rows too
     assert prefill_tile(1, 8192, torch.float32, h100) == (64, 64, 4, 2)  # no room: 2 stages
     assert prefill_tile(1, 8192, torch.bfloat16, small) == (64, 64, 4, 3)
