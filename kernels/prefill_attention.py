@@ -184,9 +184,9 @@ def prefill_tile(batch: int, query_rows: int, dtype: torch.dtype, smem: int
     """(BLOCK_M, BLOCK_N, warps, stages) of a launch on the GPU. 64 x 64 tiles and 4 warps: the
     best of 6 configs on H100 for batches of several rows (bf16, Llama-3.1-8B heads). One long
     chunk (the prefill lane's 4,096 tokens) takes 128 x 128 tiles and 8 warps where 3 stages of
-    K and V and the query tile fit:
-    each K/V tile then serves twice the query rows (H100, qwen3-0.6b, a 32k prompt in the lane
-    beside 64 streams: its TTFT 1.01-1.03 -> 0.92 s; 512-token chunks alone: the same). Per
+    K and V and the query tile fit: each K/V tile then serves twice the query rows (H100,
+    qwen3-0.6b, a 32k prompt in the lane beside 64 streams: its TTFT 1.01-1.03 -> 0.92 s;
+    512-token chunks alone: the same). Per
     call at 32k keys, 64 x 64 -> 128 x 128: a 4,096-token chunk 3,375 -> 2,952 us (qwen3-0.6b
     heads), a 448-token one with 8 key splits 503 -> 468 us (qwen3-0.6b, 896 rows) and 898 ->
     808 us (llama-3.1-8b heads); never slower in the cases measured."""

@@ -431,11 +431,30 @@ def test_attention_match_layer_references():
     assert_rel(out, layer_decode(qd, k_cache, v_cache, md, 0.1), F32)
 
 
+def _layer_forward_recording_decode(monkeypatch, md, positions, k_cache, v_cache):
+    """The Triton attention layer (8 query heads, 2 kv heads of 64) over random qkv at
+    `positions` under metadata md: (output, qkv, keyword arguments of each decode-kernel call)."""
+    from types import SimpleNamespace
+
+    from tinyserve.layers import attention as layer
+
+    rope = SimpleNamespace(positions=torch.tensor(positions, device=DEVICE),
+                           cos_sin_cache=randn(128, 64))  # fmt: skip
+    attn = layer.Attention(num_heads=8, head_dim=64, scale=0.1, num_kv_heads=2)
+    attn.k_cache, attn.v_cache = k_cache, v_cache
+    calls, kernel = [], layer.decode_attention
+    monkeypatch.setattr(layer, "decode_attention",
+                        lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))  # fmt: skip
+    qkv = randn(len(positions), (8 + 2 * 2) * 64)
+    with layer.forward_context(md):
+        out = attn._forward_triton(qkv, rope, None, None)
+    return out, qkv, calls
+
+
 def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
     """A decode step's split count, key tile and split floor (graphs.decode_num_splits and
     decode_tiling, in the metadata) reach the Triton decode kernel through the layer, with the
     oracle's output."""
-    from types import SimpleNamespace
 
     from tinyserve.layers import attention as layer
 
@@ -457,16 +476,7 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
         decode_block_n=32,
         decode_min_split=64,
     )
-    rope = SimpleNamespace(positions=torch.tensor(last, device=DEVICE),
-                           cos_sin_cache=randn(128, 64))  # fmt: skip
-    attn = layer.Attention(num_heads=8, head_dim=64, scale=0.1, num_kv_heads=2)
-    attn.k_cache, attn.v_cache = k_cache, v_cache
-    calls, kernel = [], layer.decode_attention
-    monkeypatch.setattr(layer, "decode_attention",
-                        lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))  # fmt: skip
-    qkv = randn(2, (8 + 2 * 2) * 64)
-    with layer.forward_context(md):
-        out = attn._forward_triton(qkv, rope, None, None)
+    out, qkv, calls = _layer_forward_recording_decode(monkeypatch, md, last, k_cache, v_cache)
     assert [(c["num_splits"], c["block_n"]) for c in calls] == [(4, 32)]
     assert calls[0]["min_split_len"] == 64  # graphs.decode_tiling's floor, too
     q = qkv[:, : 8 * 64].view(2, 8, 64)  # rotated in place by the layer
@@ -476,7 +486,6 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
 def test_mixed_step_hands_the_decode_rows_split_plan_to_the_kernel(monkeypatch):
     """A mixed step (decode rows, then one prompt chunk): the decode rows' split count, key
     tile and split floor reach the decode kernel, and the outputs are the oracle's."""
-    from types import SimpleNamespace
 
     from tinyserve.layers import attention as layer
 
@@ -501,16 +510,7 @@ def test_mixed_step_hands_the_decode_rows_split_plan_to_the_kernel(monkeypatch):
         decode_min_split=64,
         chunk=(2, torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)),
     )
-    rope = SimpleNamespace(positions=torch.tensor(pos, device=DEVICE),
-                           cos_sin_cache=randn(128, 64))  # fmt: skip
-    attn = layer.Attention(num_heads=8, head_dim=64, scale=0.1, num_kv_heads=2)
-    attn.k_cache, attn.v_cache = k_cache, v_cache
-    calls, kernel = [], layer.decode_attention
-    monkeypatch.setattr(layer, "decode_attention",
-                        lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))  # fmt: skip
-    qkv = randn(2 + chunk, (8 + 2 * 2) * 64)
-    with layer.forward_context(md):
-        out = attn._forward_triton(qkv, rope, None, None)
+    out, qkv, calls = _layer_forward_recording_decode(monkeypatch, md, pos, k_cache, v_cache)
     assert [(c["num_splits"], c["block_n"], c["min_split_len"]) for c in calls] == [(4, 32, 64)]
     q = qkv[:, : 8 * 64].view(2 + chunk, 8, 64)  # rotated in place by the layer
     assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.1), F32)
