@@ -39,17 +39,23 @@ def test_spec_ngram_on_the_default_model_is_lossless(tmp_path):
 
 def test_prefix_long_context_alone(tmp_path):
     """--repeats 0: the long-context run only (decoding streams, then a long prompt chunked
-    beside them, which then decodes beside them), with its ITL and TTFT ratios."""
+    beside them, which then decodes beside them), with its ITL and TTFT ratios. "Without" is
+    a control run: the same streams over the same steps, no long prompt (their contexts grow
+    meanwhile, so the steps before the prompt are not the baseline)."""
     res = run_bench(tmp_path, "prefix", "--small", "--repeats", "0", "--long-budget", "256")
     (row,) = res["rows"]
     assert row["workload"] == "long_context" and row["steps_during"] > 1
     assert row["itl_p99_ms_during"] >= row["itl_median_ms_during"] > 0
     assert row["ttft_ratio"] == row["ttft_long_s"] / row["ttft_long_alone_s"]
     assert row["prefill_lane_tokens"] == 0  # off by default on the CPU
+    assert row["itl_median_ms_before"] > 0 and row["itl_median_ms_without"] > 0
+    assert row["itl_p99_ratio"] == row["itl_p99_ms_during"] / row["itl_median_ms_without"]
+    assert row["itl_p99_ratio_vs_before"] == (row["itl_p99_ms_during"]
+                                              / row["itl_median_ms_before"])  # fmt: skip
     # Then the long prompt decodes beside the streams (one long row among short ones).
     assert row["itl_median_ms_beside_long_row"] > 0
     assert row["long_row_itl_ratio"] == (row["itl_median_ms_beside_long_row"]
-                                         / row["itl_median_ms_without"])  # fmt: skip
+                                         / row["itl_median_ms_without_beside"])  # fmt: skip
 
 
 def test_prefix_long_context_on_the_prefill_lane(tmp_path):

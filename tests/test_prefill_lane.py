@@ -67,21 +67,25 @@ def test_lane_runs_only_beside_decoding_rows_and_leaves_the_last_chunk(model_dir
     engine.step()
     long2 = [rng.randrange(8, VOCAB) for _ in range(100)]
     engine.add_request("long", long2, SamplingParams(temperature=0, max_tokens=2))
-    seq = None
+    seq, launches = None, []
     for _ in range(3):
         engine.step()
+        launches.append(len(engine.scheduler.lane_launches))
         seq = seq or engine.requests["long"].seqs[0]
         batch_seqs = engine._in_flight.batch.seqs if engine._in_flight else []
         assert not (seq.lane_tokens and seq in batch_seqs)
     # Admitted by a step (15 tokens beside the decode row), then lane chunks 15-47, 47-79 and
-    # 79-99 (padded to 32); the last token goes through a step.
+    # 79-99 (padded to 32), one launch a step (a launch is ~1 ms of host time on the H100:
+    # two in one step made it a slowest step); the last token goes through a step.
     rows = []  # the long prompt's rows in the steps after the admission
     while "long" in engine.requests:
         engine.step()
+        launches.append(len(engine.scheduler.lane_launches))
         batch = engine._in_flight.batch if engine._in_flight else None
         if batch is not None and seq in batch.seqs:
             rows.append(batch.num_new_tokens[batch.seqs.index(seq)])
     assert lane.num_launched == 3 and rows and max(rows) == 1
+    assert max(launches) == 1
     engine.abort("short")
     engine.step()
     engine.check_invariants()

@@ -14,8 +14,9 @@ cached), then the newest decoding one is preempted (recompute). No CUDA here.
 
 The prefill lane (prefill_lane.py): while other sequences decode, the oldest prompt longer than
 a lane chunk and a step's budget has its chunks of up to `lane_chunk` tokens run on the lane
-instead of in the steps, at most `lane_depth` in flight; such a sequence sits out of the steps
-until they finish (`lane_finished`), and its last token goes through a step (it samples).
+instead of in the steps, one launched a step and at most `lane_depth` in flight; such a
+sequence sits out of the steps until they finish (`lane_finished`), and its last token goes
+through a step (it samples).
 
 Speculative decoding: a decoding row carries its drafts (`seq.draft_ids`), so it schedules
 1 + k tokens (fewer drafts if the budget is short), and a row that samples also reserves
@@ -139,24 +140,26 @@ class Scheduler:
             # were sized for (max_num_batched_tokens).
             least = max(c, self.max_num_batched_tokens)
             seq = self.lane_seq = next((s for s in prefilling if s.num_uncomputed > least), None)
-        if seq is not None:
-            while len(self.lane) < self.lane_depth:
-                start = seq.num_kv_computed + seq.lane_tokens
-                # All but the last token (its chunk samples: a step's, as a 1-token row). A
-                # prompt's end chunked into the steps would cost each stream a whole chunk's
-                # forward at the longest context (25-44 ms a step on the H100).
-                num = min(c, seq.num_tokens - 1 - start)
-                if num < 1:
-                    self.lane_seq = None  # the lane is done with it
-                    return
-                if start + c > min(self.max_model_len, self.lane_limit):  # padding too
-                    return
-                if not self.pool.can_append(seq, seq.lane_tokens + num):
-                    return
-                self.pool.may_append(seq, seq.lane_tokens + num)
-                self.lane_launches.append((seq, start, num))
-                self.lane.append((seq, num))
-                seq.lane_tokens += num
+        # One launch a step: a launch costs ~1 ms of host time (H100 host, a 4096-token
+        # chunk's graph), and two in one step made it the slowest step of the prompt. A chunk
+        # runs for tens of ms, so the second one in flight is launched in time a step later.
+        if seq is not None and len(self.lane) < self.lane_depth:
+            start = seq.num_kv_computed + seq.lane_tokens
+            # All but the last token (its chunk samples: a step's, as a 1-token row). A
+            # prompt's end chunked into the steps would cost each stream a whole chunk's
+            # forward at the longest context (25-44 ms a step on the H100).
+            num = min(c, seq.num_tokens - 1 - start)
+            if num < 1:
+                self.lane_seq = None  # the lane is done with it
+                return
+            if start + c > min(self.max_model_len, self.lane_limit):  # padding too
+                return
+            if not self.pool.can_append(seq, seq.lane_tokens + num):
+                return
+            self.pool.may_append(seq, seq.lane_tokens + num)
+            self.lane_launches.append((seq, start, num))
+            self.lane.append((seq, num))
+            seq.lane_tokens += num
 
     def lane_finished(self, num: int) -> None:
         """The `num` oldest lane chunks are done: their KV counts as computed and their full
