@@ -59,7 +59,8 @@ def engine_options(f):
                           "beside the steps on part of the GPU (default 4096 where it can; 0: "
                           "off)."),
         click.option("--prefill-lane-reserve-sms", type=int, default=None,
-                     help="SMs the prefill lane leaves to decode steps (default: half)."),
+                     help="SMs the prefill lane leaves to decode steps (default: half, 3/8 for "
+                          "models of 4 GiB of weights or more)."),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)

@@ -221,7 +221,7 @@ class EngineConfig:
     # many tokens run on a second stream beside the steps. None: 4096 with CUDA graphs on a
     # GPU that partitions its SMs (green contexts), else off; 0: off.
     prefill_lane_tokens: int | None = None
-    prefill_lane_reserve_sms: int | None = None  # SMs the lane leaves free; None: half of them
+    prefill_lane_reserve_sms: int | None = None  # SMs the lane leaves free; None: by model size
     # Benchmark-only: accept exactly this many drafts per step whatever the target says (outputs
     # are then NOT the model's). Shows the mechanism's ceiling at a fixed acceptance.
     spec_force_accept: int | None = None

@@ -148,12 +148,23 @@ class PrefillLane:
         return done
 
 
-def default_reserve_sms(device: torch.device) -> int:
-    """SMs left to the decode steps while the lane runs: half of them. H100 (132 SMs),
-    `bench.py prefix`'s long-context row (64 streams, then a 32k prompt), ITL p99 during the
-    prompt over the median without it / TTFT over the prompt alone:
-    - qwen3-0.6b: 66 SMs kept 2.3-2.4x / 1.25-1.29x; 40 kept 2.8x / 0.95x.
-    - llama-3.1-8b (4096-token chunks): 66 kept 1.84x / 2.17x; 40 kept 2.24x / 1.54x.
-    Decode steps of a small model need SMs (hundreds of short kernels), a large model's
-    prefill needs them too: no count meets both on both models; half is the even split."""
-    return torch.cuda.get_device_properties(device).multi_processor_count // 2
+# Weights from which a model's decode step is bandwidth-bound enough to give the lane more SMs.
+LARGE_MODEL_BYTES = 4 << 30
+
+
+def default_reserve_sms(num_sms: int, weight_bytes: int) -> int:
+    """SMs left to the decode steps while the lane runs. H100 (132 SMs), `bench.py prefix`'s
+    long-context row (64 streams, then a 32k prompt), ITL p99 during the prompt over a control
+    run's median / TTFT over the prompt alone:
+    - qwen3-0.6b (1.2 GB): 66 kept 1.83-2.03x / 1.10x; 76 and 86 kept: p99 no lower, TTFT
+      1.37x and 1.51x.
+    - llama-3.1-8b (16 GB): 66 kept 1.63-1.70x / 2.14x; 56: 1.76x / 1.87x; 50: 1.85x / 1.74x;
+      44: 1.90x / 1.72x.
+    A small model's decode step is hundreds of short kernels, and they need SMs. A large one
+    streams its weights, which fewer SMs still pull at most of the memory's rate, while its
+    prefill's time grows as 1 / its SMs. So: half the SMs under LARGE_MODEL_BYTES of weights,
+    3/8 from there. Sizes between 1.2 and 16 GB were not measured. No count meets the 1.3x
+    TTFT target on the 8B (ITL passes 2x first)."""
+    if weight_bytes < LARGE_MODEL_BYTES:
+        return num_sms // 2
+    return num_sms - num_sms * 5 // 8
