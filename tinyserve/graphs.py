@@ -323,26 +323,41 @@ class DecodeGraphs:
         cu = self.buffer[start + -(-seqs // 2) : self.base + size].view(torch.int32)[: seqs + 1]
         return fields + [ctx, cu]
 
-    def _run(self, bs: int, shared: bool, splits: int | None,
+    def _run(self, bs: int, shared: bool, splits: int | tuple[int, int] | None,
              host_ctx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The captured forward; `host_ctx`: the context lengths on the host, which only an
         eager replay (capture=False) can use (the CPU attention needs them)."""
-        if self.mixed:
-            return self._run_mixed(bs, splits, host_ctx)
-        _, gather, positions, slots, rows, ctx, _ = self._fields(bs)
+        _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
+        build = self._mixed_metadata if self.mixed else self._metadata
+        md = build(bs, shared, splits, slots, ctx, cu, host_ctx or [])
+        self.metadata[bs, shared, splits] = md
+        with forward_context(md):
+            hidden = self.model(self.buffer[gather], positions)
+        if self.hidden is not None:
+            hidden = self.hidden[: hidden.shape[0]].copy_(hidden)
+        last = hidden.index_select(0, rows) if self.prefill or self.mixed else hidden
+        logits = self.model.compute_logits(last, out=self.logits[: last.shape[0]])
+        # The greedy tokens, where the next step's gather finds them (it reads them before
+        # this write: the gather is the replay's first kernel).
+        greedy(logits, out=self.last_sampled[: logits.shape[0]])
+        return hidden, logits
+
+    def _metadata(self, bs: int, shared: bool, splits: int | None, slots: torch.Tensor,
+                  ctx: torch.Tensor, cu: torch.Tensor, host_ctx: list[int]
+                  ) -> AttentionMetadata:  # fmt: skip
         decode = self.query_len == 1
         if shared:
             n = self.sizes[-1]
             lens = self.shared_buffer[:bs]
             chunks = self.shared_buffer[n:].view(n // 2, 1 + self.shared_rows)[: bs // 2]
         block_n, min_split = self._tiling(bs, splits)
-        md = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             context_lens=ctx,
             query_lens_cpu=[self.query_len] * bs,
-            context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
+            context_lens_cpu=host_ctx,  # [] at capture: kernels read the device copy
             max_context_len=0,  # unknown at capture: kernels size splits by the table width
             is_decode_only=decode,
             verify_query_len=0 if decode or self.prefill else self.query_len,
@@ -351,30 +366,20 @@ class DecodeGraphs:
             decode_min_split=min_split,
             shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
-        self.metadata[bs, shared, splits] = md
-        with forward_context(md):
-            hidden = self.model(self.buffer[gather], positions)
-        if self.hidden is not None:
-            hidden = self.hidden[: hidden.shape[0]].copy_(hidden)
-        last = hidden.index_select(0, rows) if self.prefill else hidden
-        logits = self.model.compute_logits(last, out=self.logits[: last.shape[0]])
-        # The greedy tokens, where the next step's gather finds them (it reads them before
-        # this write: the gather is the replay's first kernel).
-        greedy(logits, out=self.last_sampled[: logits.shape[0]])
-        return hidden, logits
 
-    def _run_mixed(self, bs: int, splits: tuple[int, int], host_ctx: list[int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
+    def _mixed_metadata(self, bs: int, shared: bool, splits: tuple[int, int],
+                        slots: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor,
+                        host_ctx: list[int]) -> AttentionMetadata:  # fmt: skip
+        """bs decode rows, then the chunk's row (its query starts are the buffer's `cu`)."""
         decode_splits, chunk_splits = splits
         block_n, min_split = self._tiling(bs, decode_splits)
-        md = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.block_tables[: bs + 1],
             cu_seqlens_q=cu,
             context_lens=ctx,
             query_lens_cpu=[1] * bs + [self.query_len],
-            context_lens_cpu=host_ctx or [],  # unknown at capture: kernels read the device copy
+            context_lens_cpu=host_ctx,
             max_context_len=0,
             is_decode_only=False,
             num_splits=decode_splits,
@@ -383,13 +388,6 @@ class DecodeGraphs:
             prefill_num_splits=chunk_splits,
             chunk=(bs, self.chunk_cu),
         )
-        self.metadata[bs, False, splits] = md
-        with forward_context(md):
-            hidden = self.model(self.buffer[gather], positions)
-        logits = self.model.compute_logits(hidden.index_select(0, rows),
-                                           out=self.logits[: bs + 1])  # fmt: skip
-        greedy(logits, out=self.last_sampled[: bs + 1])
-        return hidden, logits
 
     def capture_drafts(self, draft_tokens) -> None:
         """Capture what follows a verify replay, per padded batch size: the accepted counts
