@@ -130,6 +130,30 @@ def test_logprobs_are_consistent(smollm2_llm):
         assert lp[tok] == pytest.approx(max(lp.values()), abs=1e-5)  # greedy picks the top
 
 
+@pytest.mark.parametrize("ids", [[1.5], ["7"], [-1], [49152], [10**30], [None], [[3]]])
+def test_bad_token_ids_are_refused_with_nothing_queued(smollm2_llm, ids):
+    with pytest.raises(InvalidParameter) as e:
+        smollm2_llm.engine.add_request("bad", [5, 6, *ids])
+    assert e.value.param == "prompt" and "[0, 49152)" in str(e.value)
+    assert not smollm2_llm.engine.has_unfinished()
+
+
+def test_token_ids_may_come_as_numpy_or_torch_integers(smollm2_llm):
+    """A tokenizer's array (or tensor) of ids is taken as is: the same tokens as a list."""
+    import numpy as np
+
+    ids = [1, 4093, 314, 260, 1345]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    want = smollm2_llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in (np.array(ids), np.array(ids, dtype=np.int32), torch.tensor(ids)):
+        for outs in (smollm2_llm.generate([prompt], params, use_tqdm=False),
+                     smollm2_llm.generate(prompt, params, use_tqdm=False)):  # fmt: skip
+            assert outs[0].outputs[0].token_ids == want and outs[0].prompt_token_ids == ids
+            assert all(type(t) is int for t in outs[0].prompt_token_ids)
+    two = smollm2_llm.generate(np.array([ids, ids]), params, use_tqdm=False)  # a batch of rows
+    assert [o.outputs[0].token_ids for o in two] == [want, want]
+
+
 def test_invalid_requests_raise_typed_errors(smollm2_llm):
     with pytest.raises(InvalidParameter) as e:
         smollm2_llm.generate([[]], use_tqdm=False)

@@ -11,8 +11,17 @@ from tinyserve.engine import LLMEngine
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # or a 1-D numpy array or tensor of ids
 Message = dict[str, str]
+
+
+def _is_one_prompt(prompts) -> bool:
+    """Text, a list of ids, or a 1-D array or tensor of ids (a 2-D one is a batch of rows)."""
+    if isinstance(prompts, str):
+        return True
+    if hasattr(prompts, "ndim"):  # numpy, torch
+        return prompts.ndim == 1
+    return bool(prompts) and isinstance(prompts[0], int)
 
 
 class LLM:
@@ -28,7 +37,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
