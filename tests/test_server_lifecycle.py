@@ -26,6 +26,15 @@ pytestmark = pytest.mark.slow
 LONG = {"messages": CHAT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
 
 
+async def serve_in_process(engine) -> tuple[asyncio.Future, str]:
+    """serve() on this loop, on a free port: its task and its URL, once it listens."""
+    urls = []
+    server = asyncio.ensure_future(serve(AsyncEngine(engine), ServerConfig(port=0), urls.append))
+    while not urls:
+        await asyncio.sleep(0.01)
+    return server, urls[0]
+
+
 @pytest.fixture(scope="module")
 def engine(smollm2_llm):
     return smollm2_llm.engine
@@ -310,12 +319,8 @@ def test_22_fatal_engine_error_health_503_and_exit_code_1(engine, monkeypatch):
             return last, health.status, await refused.json()
 
     async def in_serve():
-        urls = []
-        server = asyncio.ensure_future(serve(AsyncEngine(engine), ServerConfig(port=0),
-                                             urls.append))  # fmt: skip
-        while not urls:
-            await asyncio.sleep(0.01)
-        async with aiohttp.ClientSession(urls[0]) as session:
+        server, url = await serve_in_process(engine)
+        async with aiohttp.ClientSession(url) as session:
             last = await stream_until_error(session)
         return last, await asyncio.wait_for(server, 10)
 
@@ -336,11 +341,7 @@ def test_serve_freezes_the_start_up_heap_while_it_serves(engine):
     the engine is up (gc.freeze) and hands them back when it returns."""
 
     async def in_serve():
-        urls = []
-        server = asyncio.ensure_future(serve(AsyncEngine(engine), ServerConfig(port=0),
-                                             urls.append))  # fmt: skip
-        while not urls:
-            await asyncio.sleep(0.01)
+        server, _ = await serve_in_process(engine)
         frozen = gc.get_freeze_count()
         os.kill(os.getpid(), signal.SIGTERM)  # a clean shutdown
         return frozen, await asyncio.wait_for(server, 10)
