@@ -328,8 +328,10 @@ class DecodeGraphs:
         """The captured forward; `host_ctx`: the context lengths on the host, which only an
         eager replay (capture=False) can use (the CPU attention needs them)."""
         _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
-        build = self._mixed_metadata if self.mixed else self._metadata
-        md = build(bs, shared, splits, slots, ctx, cu, host_ctx or [])
+        if self.mixed:
+            md = self._mixed_metadata(bs, splits, slots, ctx, cu, host_ctx or [])
+        else:
+            md = self._metadata(bs, shared, splits, slots, ctx, host_ctx or [])
         self.metadata[bs, shared, splits] = md
         with forward_context(md):
             hidden = self.model(self.buffer[gather], positions)
@@ -343,8 +345,7 @@ class DecodeGraphs:
         return hidden, logits
 
     def _metadata(self, bs: int, shared: bool, splits: int | None, slots: torch.Tensor,
-                  ctx: torch.Tensor, cu: torch.Tensor, host_ctx: list[int]
-                  ) -> AttentionMetadata:  # fmt: skip
+                  ctx: torch.Tensor, host_ctx: list[int]) -> AttentionMetadata:  # fmt: skip
         decode = self.query_len == 1
         if shared:
             n = self.sizes[-1]
@@ -367,9 +368,9 @@ class DecodeGraphs:
             shared_prefix=(chunks, lens) if shared else None,
         )  # fmt: skip
 
-    def _mixed_metadata(self, bs: int, shared: bool, splits: tuple[int, int],
-                        slots: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor,
-                        host_ctx: list[int]) -> AttentionMetadata:  # fmt: skip
+    def _mixed_metadata(self, bs: int, splits: tuple[int, int], slots: torch.Tensor,
+                        ctx: torch.Tensor, cu: torch.Tensor, host_ctx: list[int]
+                        ) -> AttentionMetadata:  # fmt: skip
         """bs decode rows, then the chunk's row (its query starts are the buffer's `cu`)."""
         decode_splits, chunk_splits = splits
         block_n, min_split = self._tiling(bs, decode_splits)

@@ -123,8 +123,10 @@ class ModelRunner:
         stream = None
         if graphs:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            reserve = cfg.prefill_lane_reserve_sms or default_reserve_sms(sms, weight_bytes)
+            reserve = cfg.prefill_lane_reserve_sms
+            if not reserve:
+                weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+                reserve = default_reserve_sms(sms, weights)
             if reserve >= sms:
                 raise ValueError(f"prefill_lane_reserve_sms={reserve}: the GPU has {sms} SMs")
             stream = lane_stream(reserve, self.device.index or 0)
