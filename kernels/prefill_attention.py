@@ -155,27 +155,7 @@ def _prefill_kernel(
                  mask=row_mask)  # fmt: skip
 
 
-BLOCK_M = 64  # query rows (tokens x query heads of one kv head) of a tile on the GPU
 MIN_SPLIT_KEYS = 1024  # keys a split gets at least, so its programs outweigh the merge pass
-
-
-def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads: int,
-                       num_kv_heads: int, device: torch.device) -> int:  # fmt: skip
-    """Key splits for a step (host lists, no sync): each program attends one query tile over
-    its keys, so a chunk of a long prompt beside short rows is a few programs that each read
-    tens of thousands of keys while most SMs sit idle (H100, 64 decode rows + a 48-token chunk
-    at 32k keys, qwen3-0.6b heads: 16 such programs on 132 SMs). Cut the longest program's keys
-    until it holds no more than an even share of the step's key work over two programs an SM,
-    at most 16 ways and never below MIN_SPLIT_KEYS keys a split."""
-    if device.type != "cuda" or not context_lens:
-        return 1
-    block_q = BLOCK_M // next_pow2(num_heads // num_kv_heads)
-    work = sum(-(-n // block_q) * c for n, c in zip(query_lens, context_lens)) * num_kv_heads
-    longest = max(context_lens)
-    splits = -(-longest * 2 * num_sms(device) // max(work, 1))
-    return max(1, min(splits, 16, longest // MIN_SPLIT_KEYS))
-
-
 TALL_MIN_ROWS = 896  # query rows (tokens x padded group) from which one chunk takes tall tiles
 
 
@@ -189,11 +169,42 @@ def prefill_tile(batch: int, query_rows: int, dtype: torch.dtype, smem: int
     512-token chunks alone: the same). Per
     call at 32k keys, 64 x 64 -> 128 x 128: a 4,096-token chunk 3,375 -> 2,952 us (qwen3-0.6b
     heads), a 448-token one with 8 key splits 503 -> 468 us (qwen3-0.6b, 896 rows) and 898 ->
-    808 us (llama-3.1-8b heads); never slower in the cases measured."""
+    808 us (llama-3.1-8b heads); never slower in the cases measured. Not taken: 128 x 64 tiles
+    and 4 warps for groups of 4 query heads, faster per call at their best split counts in the
+    twenty-second session's sweep, but slower end to end where a launch has one split and few
+    tiles (llama-3.1-8b, a 32k prompt alone in 512-token chunks: 1.64 -> 1.91 s)."""
     size = dtype.itemsize
     if batch == 1 and query_rows >= TALL_MIN_ROWS and (3 * 2 + 1) * 128 * 128 * size <= smem:
         return 128, 128, 8, 3
-    return BLOCK_M, 64, 4, 2 if size == 4 else 3
+    return 64, 64, 4, 2 if size == 4 else 3
+
+
+def prefill_tiles(dtype: torch.dtype, device: torch.device) -> set[tuple[int, int, int, int]]:
+    """Every tile `prefill_tile` gives on this GPU (the engine compiles each at start-up)."""
+    smem = shared_memory(device)
+    return {prefill_tile(b, TALL_MIN_ROWS, dtype, smem) for b in (1, 2)}
+
+
+def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads: int,
+                       num_kv_heads: int, device: torch.device,
+                       dtype: torch.dtype = torch.bfloat16) -> int:  # fmt: skip
+    """Key splits for a step (host lists, no sync): each program attends one query tile over
+    its keys, so a chunk of a long prompt beside short rows is a handful of programs that each
+    read tens of thousands of keys while most SMs sit idle. Cut the longest program's keys until
+    the step's programs fill the SMs once (two an SM for 4-warp tiles, one for 8), never more.
+    The H100 sweep's best counts sat exactly there; a count past it adds a second, mostly empty
+    wave (llama-3.1-8b heads, a 128-token chunk at 32k keys, 64 x 64 tiles, one run: 5 splits
+    409 us, 4 splits 263 us). At most 16 ways, never below MIN_SPLIT_KEYS keys a split."""
+    if device.type != "cuda" or not context_lens:
+        return 1
+    g_pad = next_pow2(num_heads // num_kv_heads)
+    block_m, _, warps, _ = prefill_tile(len(query_lens), max(query_lens) * g_pad, dtype,
+                                        shared_memory(device))  # fmt: skip
+    block_q = block_m // g_pad
+    work = sum(-(-n // block_q) * c for n, c in zip(query_lens, context_lens)) * num_kv_heads
+    longest = max(context_lens)
+    slots = num_sms(device) * (2 if warps == 4 else 1)
+    return max(1, min(longest * slots // max(work, 1), 16, longest // MIN_SPLIT_KEYS))
 
 
 def prefill_attention(

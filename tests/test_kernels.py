@@ -377,15 +377,21 @@ def test_prefill_attention_key_splits(dtype, num_splits):
     assert torch.equal(out[50:], torch.zeros_like(out[50:]))
 
 
-def test_prefill_num_splits_fills_the_gpu_only_for_long_lone_tiles(monkeypatch):
+def test_prefill_num_splits_fills_the_sms_once_for_long_lone_tiles(monkeypatch):
     from tinyserve.kernels import prefill_attention as pa
 
     monkeypatch.setattr(pa, "num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "shared_memory", lambda device: 232448)  # an H100's
     cuda = torch.device("cuda")
-    # 64 decode rows + a 48-token chunk at 32k keys (qwen3-0.6b heads, 32 queries a tile)
-    assert pa.prefill_num_splits([1] * 64 + [48], [600] * 64 + [32768], 16, 8, cuda) == 11
+    # 64 decode rows + a 48-token chunk at 32k keys (qwen3-0.6b heads; 64 x 64 tiles of 32
+    # queries, two programs an SM): 16 long programs, cut 10 ways (264 programs at most)
+    assert pa.prefill_num_splits([1] * 64 + [48], [600] * 64 + [32768], 16, 8, cuda) == 10
     # a 448-token chunk at 32k: 112 long programs, fewer splits
-    assert pa.prefill_num_splits([1] * 64 + [448], [600] * 64 + [32768], 16, 8, cuda) == 3
+    assert pa.prefill_num_splits([1] * 64 + [448], [600] * 64 + [32768], 16, 8, cuda) == 2
+    # one chunk, llama-3.1-8b heads: the counts the H100 sweep found best for each tile
+    assert pa.prefill_num_splits([128], [32768], 32, 8, cuda) == 4  # 64 x 64: 64 tiles
+    assert pa.prefill_num_splits([256], [32768], 32, 8, cuda) == 2  # 128 x 128: 64 tiles
+    assert pa.prefill_num_splits([512], [32768], 32, 8, cuda) == 1  # 128 tiles, one an SM
     # short contexts never split, nor a tile set that fills the GPU, nor the CPU
     assert pa.prefill_num_splits([48], [1500], 16, 8, cuda) == 1
     assert pa.prefill_num_splits([8192], [8192], 16, 8, cuda) == 1
@@ -402,6 +408,17 @@ def test_prefill_tile_is_tall_only_for_one_long_chunk_that_fits():
     assert prefill_tile(65, 8192, torch.bfloat16, h100) == (64, 64, 4, 3)  # decode rows too
     assert prefill_tile(1, 8192, torch.float32, h100) == (64, 64, 4, 2)  # no room: 2 stages
     assert prefill_tile(1, 8192, torch.bfloat16, small) == (64, 64, 4, 3)
+
+
+def test_prefill_tiles_lists_every_tile_a_launch_can_take(monkeypatch):
+    from tinyserve.kernels import prefill_attention as pa
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(pa, "shared_memory", lambda device: 232448)
+    assert pa.prefill_tiles(torch.bfloat16, cuda) == {(64, 64, 4, 3), (128, 128, 8, 3)}
+    assert pa.prefill_tiles(torch.float32, cuda) == {(64, 64, 4, 2)}
+    monkeypatch.setattr(pa, "shared_memory", lambda device: 101376)
+    assert pa.prefill_tiles(torch.bfloat16, cuda) == {(64, 64, 4, 3)}
 
 
 def test_attention_match_layer_references():
@@ -1130,18 +1147,18 @@ def test_prefill_attention_gpu_configs(block_m, block_n, num_warps):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [48, 448])
-def test_prefill_attention_key_splits_gpu(chunk):
+@pytest.mark.parametrize(("heads", "chunk"), [(16, 48), (16, 448), (32, 48), (32, 128)])
+def test_prefill_attention_key_splits_gpu(heads, chunk):
     """64 decode rows beside a chunk of a 32k-token prompt, with the split count the engine
-    picks (qwen3-0.6b heads)."""
+    picks (query groups of 2, qwen3-0.6b, and 4, llama-3.1-8b: 10, 2, 7 and 3 splits)."""
     from tinyserve.kernels.prefill_attention import prefill_num_splits
 
     query_lens, lens = [1] * 64 + [chunk], [600] * 64 + [32768]
     k_cache, v_cache, table, context_lens = paged_cache(65, lens, 8, 128, 16, BF16)
     cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device=DEVICE)  # fmt: skip
-    q = randn(sum(query_lens), 16, 128, dtype=BF16)
-    splits = prefill_num_splits(query_lens, lens, 16, 8, q.device)
+    q = randn(sum(query_lens), heads, 128, dtype=BF16)
+    splits = prefill_num_splits(query_lens, lens, heads, 8, q.device)
     assert splits > 1
     out = poisoned(q)
     prefill_attention(q, k_cache, v_cache, table, cu, context_lens, chunk, 128**-0.5, out,

@@ -244,6 +244,7 @@ class DecodeGraphs:
         self.max_num_seqs = max_num_seqs
         attn = next(m for m in model.modules() if hasattr(m, "num_kv_heads"))
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.dtype = w.dtype
         self.max_len = max_blocks_per_seq * block_size
         self.block_size = block_size
         self.capture = capture
@@ -592,5 +593,5 @@ class DecodeGraphs:
     def _mixed_splits(self, query_lens: list[int], context_lens: list[int]) -> int:
         """The captured split count nearest to the eager step's choice."""
         s = prefill_num_splits(query_lens, context_lens, self.num_heads, self.num_kv_heads,
-                               self.buffer.device)  # fmt: skip
+                               self.buffer.device, self.dtype)  # fmt: skip
         return MIXED_SPLITS if s >= MIXED_SPLIT_FROM else 1

@@ -14,7 +14,11 @@ import gc
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
-from tinyserve.kernels.prefill_attention import prefill_attention, prefill_num_splits
+from tinyserve.kernels.prefill_attention import (
+    prefill_attention,
+    prefill_num_splits,
+    prefill_tiles,
+)
 from tinyserve.kernels.spec_accept import accept
 from tinyserve.kernels.spec_shift import shift_inputs
 from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
@@ -82,7 +86,7 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.device.type == "cuda":
-            self._compile_split_attention()
+            self._compile_prefill_attention()
         limit = min(config.max_model_len or 1 << 30, mc.max_position_embeddings)
         self.max_blocks_per_seq = -(-limit // self.block_size)
         self.graphs = self.verify_graphs = None
@@ -135,17 +139,21 @@ class ModelRunner:
         return PrefillLane(self.model, chunk, self.max_blocks_per_seq, self.block_size,
                            self.num_kv_blocks, stream)  # fmt: skip
 
-    def _compile_split_attention(self) -> None:
-        """Compile the prefill kernel's key-split variant at start-up: the first long prompt
-        chunked beside decode rows would compile it mid-step and stall every stream (H100,
-        qwen3-0.6b: a 1.76 s inter-token gap). One token on the scratch block."""
+    def _compile_prefill_attention(self) -> None:
+        """Compile every prefill-kernel variant eager steps can take (each tile, one pass and
+        key splits) at start-up: the first long prompt chunked beside decode rows would compile
+        one mid-step and stall every stream (H100, qwen3-0.6b: a 1.76 s inter-token gap). One
+        token on the scratch block."""
         layer, mc = self.attn_layers[0], self.model_config
         q = torch.zeros(1, mc.num_attention_heads, mc.head_dim, dtype=self.dtype,
                         device=self.device)  # fmt: skip
         table = torch.full((1, 1), self.num_kv_blocks, dtype=torch.int32, device=self.device)
         cu, lens = (torch.tensor(v, dtype=torch.int32, device=self.device) for v in ([0, 1], [1]))
-        prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, lens, 1, layer.scale,
-                          num_splits=2)  # fmt: skip
+        for m, n, warps, stages in prefill_tiles(self.dtype, self.device):
+            for splits in (1, 2):
+                prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, lens, 1,
+                                  layer.scale, num_splits=splits, block_m=m, block_n=n,
+                                  num_warps=warps, num_stages=stages)  # fmt: skip
 
     @property
     def max_graph_chunk(self) -> int:
@@ -238,9 +246,9 @@ class ModelRunner:
             md.decode_block_n, md.decode_min_split = decode_tiling(*shape, md.num_splits)
         elif self.device.type == "cuda":
             mc = self.model_config
-            md.prefill_num_splits = prefill_num_splits(
-                h.q_lens, h.ctx_lens, mc.num_attention_heads, mc.num_key_value_heads, self.device
-            )
+            heads = (mc.num_attention_heads, mc.num_key_value_heads)
+            md.prefill_num_splits = prefill_num_splits(h.q_lens, h.ctx_lens, *heads, self.device,
+                                                       self.dtype)  # fmt: skip
         return x
 
     def _graphs_for(self, h: HostInputs):
