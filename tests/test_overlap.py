@@ -221,6 +221,15 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
     assert untileable.shared_sizes == []
 
 
+def test_a_step_s_rows_round_up_to_the_next_graph_size():
+    from tinyserve.graphs import graph_batch_sizes, mixed_batch_sizes, padded_size, round_up
+
+    assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
+    assert [padded_size(n, 40) for n in (1, 3, 9, 17, 33, 40)] == [1, 4, 16, 32, 40, 40]
+    assert padded_size(41, 40) == 41  # past the largest graph: eager, unpadded
+    assert [round_up(mixed_batch_sizes(40), n) for n in (5, 31, 33, 39)] == [8, 32, 39, 39]
+
+
 def test_decode_split_count_follows_the_longest_context(monkeypatch):
     """A decode step's split count: the padded batch's GPU-filling count, cut to a power of two
     of at most KEYS_PER_SPLIT keys per split for its longest context, and to one split (no merge

@@ -21,7 +21,9 @@ differ from it by rounding, as with a different split count.
 
 from __future__ import annotations
 
+import bisect
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -32,9 +34,10 @@ from tinyserve.sampling import greedy
 from tinyserve.transfer import host_array
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+@functools.lru_cache(maxsize=16)
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
-    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+    return tuple(sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs}))
 
 
 def mixed_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -52,8 +55,15 @@ MIXED_SPLITS = 8
 MIXED_SPLIT_FROM = 4
 
 
+def round_up(sizes: Sequence[int], n: int) -> int:
+    """The smallest of the ascending `sizes` that holds n rows (n itself past the largest).
+    Looked up several times a step, so a bisect rather than a scan."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else n
+
+
 def padded_size(num_seqs: int, max_num_seqs: int) -> int:
-    return next((s for s in graph_batch_sizes(max_num_seqs) if s >= num_seqs), num_seqs)
+    return round_up(graph_batch_sizes(max_num_seqs), num_seqs)
 
 
 # Keys per decode split of a short context, and the kernel tile that holds them. H100, qwen3-0.6b
@@ -442,7 +452,7 @@ class DecodeGraphs:
         and the forced count where it changed (benchmarks); returns the drafts' static view,
         which the shift of the step in flight then edits in place."""
         b, q, r = limits.shape[0], self.query_len, draft_next.shape[0]
-        bs = next(s for s in self.sizes if s >= b)
+        bs = round_up(self.sizes, b)
         self.draft_next[:r].copy_(draft_next)
         self.limits[:b].copy_(limits)
         if b < bs:  # padded rows: no drafts, no KV
@@ -458,7 +468,7 @@ class DecodeGraphs:
         (`last_sampled` must hold the step's tokens); (B,) accepted counts, valid until the
         next drafting replay, and (B, k) drafts, valid only until the next verify replay (they
         sit in the graph pool, which that replay's scratch may reuse)."""
-        graph, outs = self.draft_graphs[next(s for s in self.sizes if s >= b)]
+        graph, outs = self.draft_graphs[round_up(self.sizes, b)]
         if graph is None:  # capture=False: `outs` is the run itself
             outs = outs()
         else:
@@ -497,7 +507,7 @@ class DecodeGraphs:
         if self.mixed:
             return self._replay_mixed(input_ids, positions, slots, context_lens, tables, pending)
         b, q = len(context_lens), self.query_len
-        bs = next(s for s in self.sizes if s >= b)
+        bs = round_up(self.sizes, b)
         m, n = bs * q, len(input_ids)
         host_ctx = list(context_lens)
         if self.prefill:  # queries are a row's last q positions: padding goes after the chunk
