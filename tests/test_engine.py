@@ -168,3 +168,23 @@ def test_invalid_requests_raise_typed_errors(smollm2_llm):
         smollm2_llm.generate(["hi"], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
     assert e.value.param == "logit_bias"
     assert not smollm2_llm.engine.has_unfinished()
+
+
+def test_start_up_compiles_every_prefill_tile_one_pass_and_split(smollm2_llm, monkeypatch):
+    """Each tile an eager step can take, in its one-pass and key-split variants: one left out
+    would compile mid-step beside decoding streams and stall them all (1.76 s on an H100)."""
+    from tinyserve.kernels.prefill_attention import prefill_tiles
+
+    import tinyserve.runner as runner_module
+
+    runner, launched = smollm2_llm.engine.runner, set()
+
+    def record(*args, num_splits, block_m, block_n, num_warps, num_stages):
+        launched.add(((block_m, block_n, num_warps, num_stages), num_splits))
+
+    monkeypatch.setattr(runner_module, "prefill_attention", record)
+    monkeypatch.setattr(runner, "dtype", torch.bfloat16)  # two tiles (the GPU's bf16 choice)
+    runner._compile_prefill_attention()
+    tiles = prefill_tiles(torch.bfloat16, runner.device)
+    assert len(tiles) == 2
+    assert launched == {(tile, splits) for tile in tiles for splits in (1, 2)}
