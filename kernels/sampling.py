@@ -31,11 +31,15 @@ def _counter_uniform(key, v):
     return (s + 4194304.5) * 1.1920928955078125e-07  # (s + 2**22 + 0.5) / 2**23, exact
 
 
+# The chunk count follows the batch, so it is no constexpr: as one, each new batch size of an
+# eager step compiled both kernels again mid-run (~0.2 s each on the H100 host). `chunk` stays
+# specialized (always a multiple of BLOCK_V: one variant): unspecialized, batch-1 decode ran
+# 0.7% slower on the H100, likely from loads that no longer know their alignment.
 @triton.jit
 def _race_chunk_kernel(
     x_ptr, keys_ptr, greedy_ptr, best_ptr, best_idx_ptr, V, chunk, stride_x,
-    NUM_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_GREEDY: tl.constexpr,
-    SAMPLED: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_GREEDY: tl.constexpr, SAMPLED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
@@ -64,20 +68,22 @@ def _race_chunk_kernel(
     # Lowest index among the lanes holding the max (torch.argmax's tie rule); -inf rows -> start.
     idx = tl.min(tl.where(best == top, best_idx, V), 0)
     idx = tl.where(top == float("-inf"), start, idx)
-    tl.store(best_ptr + b * NUM_CHUNKS + c, top)
-    tl.store(best_idx_ptr + b * NUM_CHUNKS + c, idx)
+    num_chunks = tl.num_programs(1)
+    tl.store(best_ptr + b * num_chunks + c, top)
+    tl.store(best_idx_ptr + b * num_chunks + c, idx)
 
 
-@triton.jit
-def _race_pick_kernel(best_ptr, best_idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr,
+@triton.jit(do_not_specialize=["num_chunks"])
+def _race_pick_kernel(best_ptr, best_idx_ptr, out_ptr, num_chunks,
                       BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """BLOCK_C covers the most chunks the vocabulary can take (a tile each), whatever the batch."""
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
-    best = tl.load(best_ptr + b * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
+    best = tl.load(best_ptr + b * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
     top = tl.max(best, 0)
     first = tl.min(tl.where(best == top, c, BLOCK_C), 0)  # chunks are in vocab order
-    idx = tl.load(best_idx_ptr + b * NUM_CHUNKS + first)
+    idx = tl.load(best_idx_ptr + b * num_chunks + first)
     tl.store(out_ptr + b, idx.to(tl.int64))
 
 
@@ -137,12 +143,12 @@ def _race(x, keys, greedy, out, num_chunks: int | None, min_tiles: int, has_gree
     best_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=x.device)
     _race_chunk_kernel[(batch, num_chunks)](
         x, keys, greedy, best, best_idx, vocab, chunk, x.stride(0),
-        NUM_CHUNKS=num_chunks, BLOCK_V=block_v, HAS_GREEDY=has_greedy, SAMPLED=not all_greedy,
+        BLOCK_V=block_v, HAS_GREEDY=has_greedy, SAMPLED=not all_greedy,
         num_warps=4, **pdl(x.device),
     )  # fmt: skip
     _race_pick_kernel[(batch,)](
-        best, best_idx, out, NUM_CHUNKS=num_chunks, BLOCK_C=next_pow2(num_chunks), num_warps=1,
-        **pdl(x.device),
+        best, best_idx, out, num_chunks, BLOCK_C=next_pow2(triton.cdiv(vocab, block_v)),
+        num_warps=1, **pdl(x.device),
     )  # fmt: skip
     return out
 

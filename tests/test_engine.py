@@ -188,3 +188,23 @@ def test_start_up_compiles_every_prefill_tile_one_pass_and_split(smollm2_llm, mo
     tiles = prefill_tiles(torch.bfloat16, runner.device)
     assert len(tiles) == 2
     assert launched == {(tile, splits) for tile in tiles for splits in (1, 2)}
+
+
+def test_start_up_compiles_every_race_kernel_variant(smollm2_llm, monkeypatch):
+    """The argmax, all rows sampled, and greedy rows among sampled ones: the graphs compile only
+    what their captures run, so the first eager step with sampled rows compiled mid-run."""
+    from tinyserve.kernels import sampling as kernel
+
+    launched = []
+
+    class Spy:  # kernel[grid](...) records the launch's flags instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(
+                (kwargs.get("HAS_GREEDY"), kwargs.get("SAMPLED"))
+            )
+
+    monkeypatch.setattr(kernel, "_race_chunk_kernel", Spy())
+    monkeypatch.setattr(kernel, "_race_pick_kernel", Spy())
+    smollm2_llm.engine.runner._compile_sampling()
+    chunk_launches = {flags for flags in launched if flags != (None, None)}
+    assert chunk_launches == {(False, False), (False, True), (True, True)}

@@ -502,3 +502,30 @@ def test_prefill_lane_on_its_stream_gives_the_steps_outputs(tmp_path):
     assert lane_first.keys() == step_first.keys()
     for i, lp in lane_first.items():
         assert abs(lp - step_first[i]) < 0.05, (lane_first, step_first)
+
+
+def test_steps_after_start_up_compile_no_kernel(tmp_path):
+    """Start-up compiles what the steps launch: later eager steps of any batch size, sampled or
+    greedy, with penalties, logprobs or prefix hits, compile no Triton kernel (a compile stalls
+    the step loop for ~0.2 s on the H100 host; the race kernels compiled once per new batch
+    size until the chunk count became a runtime argument)."""
+    from triton import knobs
+
+    path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=2)
+    llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=128, max_num_batched_tokens=2048)
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
+        (kw["fn"].name, kw["compile"]["constants"])
+    )
+    try:
+        head = [(5 * j) % 3000 + 50 for j in range(100)]
+        kinds = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=6, ignore_eos=True),
+                 SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.1, max_tokens=6,
+                                ignore_eos=True, logprobs=3)]  # fmt: skip
+        for batch in (1, 2, 3, 5, 9, 17, 33, 70, 120):
+            prompts = [head[: 20 + (7 * i) % 80] + [i + 7, batch] for i in range(batch)]
+            llm.generate(prompts, [kinds[i % 3] for i in range(batch)], use_tqdm=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
