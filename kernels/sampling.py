@@ -133,10 +133,10 @@ def _race(x, keys, greedy, out, num_chunks: int | None, min_tiles: int, has_gree
     if batch == 0:
         return out
     block_v = min(1024, next_pow2(vocab))
+    tiles = triton.cdiv(vocab, block_v)  # the most chunks: one tile each
     if num_chunks is None:
-        tiles = triton.cdiv(vocab, block_v)
         num_chunks = min(triton.cdiv(2 * num_sms(x.device), batch), triton.cdiv(tiles, min_tiles))
-    num_chunks = max(1, min(num_chunks, triton.cdiv(vocab, block_v)))
+    num_chunks = max(1, min(num_chunks, tiles))
     chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
     num_chunks = triton.cdiv(vocab, chunk)
     best = torch.empty(batch, num_chunks, dtype=torch.float32, device=x.device)
@@ -147,7 +147,7 @@ def _race(x, keys, greedy, out, num_chunks: int | None, min_tiles: int, has_gree
         num_warps=4, **pdl(x.device),
     )  # fmt: skip
     _race_pick_kernel[(batch,)](
-        best, best_idx, out, num_chunks, BLOCK_C=next_pow2(triton.cdiv(vocab, block_v)),
+        best, best_idx, out, num_chunks, BLOCK_C=next_pow2(tiles),
         num_warps=1, **pdl(x.device),
     )  # fmt: skip
     return out

@@ -944,21 +944,21 @@ def test_race_compiles_once_per_vocab_whatever_the_batch(monkeypatch):
     from tinyserve.kernels import sampling as kernel
 
     seen = {}
+
+    class Spy:  # records each launch's constexprs (upper-case kwargs), then launches
+        def __init__(self, name):
+            self.fn, self.name = getattr(kernel, name), name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))
+                seen.setdefault(self.name, set()).add(constexprs)
+                return self.fn[grid](*args, **kwargs)
+
+            return launch
+
     for name in ("_race_chunk_kernel", "_race_pick_kernel"):
-
-        class Spy:
-            def __init__(self, fn, name=name):
-                self.fn, self.name = fn, name
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
-                    seen.setdefault(self.name, set()).add(tuple(sorted(constexprs.items())))
-                    return self.fn[grid](*args, **kwargs)
-
-                return launch
-
-        monkeypatch.setattr(kernel, name, Spy(getattr(kernel, name)))
+        monkeypatch.setattr(kernel, name, Spy(name))
     vocab = 5000
     for batch in (1, 2, 3, 5, 9, 17, 40, 100, 300):
         x = randn(batch, vocab, scale=4.0)
