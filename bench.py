@@ -932,7 +932,11 @@ def bench_e2e(args) -> dict:
            "ceilings": measure_ceilings("cuda"), "rows": []}  # fmt: skip
     print(json.dumps(res["ceilings"]), flush=True)
     llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=256,
-              enforce_eager=args.enforce_eager)  # fmt: skip
+              enforce_eager=args.enforce_eager, prefill_lane_tokens=args.lane_tokens)  # fmt: skip
+    # Building the prefill lane costs batch-1 decode ~2.5% (H100, qwen3-0.6b; BENCHMARKS,
+    # twenty-fourth session), so the result says whether this run had one.
+    lane = llm.engine.runner.lane
+    res["prefill_lane_tokens"] = lane.chunk if lane is not None else 0
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -1268,8 +1272,8 @@ def main() -> None:
                    "engine (0: long context only)")  # fmt: skip
     p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
                    "of the long-context run (0: skip it)")  # fmt: skip
-    p.add_argument("--lane-tokens", type=int, default=None, help="prefix: the long-context "
-                   "run's prefill_lane_tokens (default: the engine's; 0: no lane)")  # fmt: skip
+    p.add_argument("--lane-tokens", type=int, default=None, help="prefix (the long-context run) "
+                   "and e2e: prefill_lane_tokens (default: the engine's; 0: no lane)")  # fmt: skip
     p.add_argument("--lane-reserve-sms", type=int, default=None, help="prefix: the long-context "
                    "run's prefill_lane_reserve_sms")  # fmt: skip
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
