@@ -103,3 +103,29 @@ def test_steady_step_time_leaves_out_the_prefill():
 
     ms = bench._steady_step_ms(SimpleNamespace(engine=Engine()), [[1], [2]], 6)
     assert 4.5 < ms < 12, ms  # 5 steps of ~5 ms; with the prefill step it would be ~21 ms
+
+
+def test_e2e_builds_the_engine_with_lane_tokens_and_says_so(monkeypatch):
+    """--lane-tokens reaches e2e's engine, and the result records the lane it had (building
+    one costs batch-1 decode ~2.5% on the H100). The CUDA-only parts are stubbed and no
+    workload runs: only the engine is built, on the CPU with the default model, whose 8,192
+    positions leave room for a lane only under a smaller step budget (set here)."""
+    import argparse
+
+    import torch
+
+    import tinyserve
+
+    sys.path.insert(0, ROOT)
+    import bench
+
+    llm_cls = tinyserve.LLM
+    monkeypatch.setattr(
+        tinyserve, "LLM", lambda *a, **kw: llm_cls(*a, max_num_batched_tokens=256, **kw)
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: {})
+    for lane_tokens, want in ((None, 0), (1024, 1024)):  # the CPU has no lane by default
+        args = argparse.Namespace(model=None, enforce_eager=False, lane_tokens=lane_tokens,
+                                  workloads=[], compare_hf=False)  # fmt: skip
+        assert bench.bench_e2e(args)["prefill_lane_tokens"] == want
