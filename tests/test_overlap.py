@@ -350,6 +350,32 @@ def test_mixed_graphs_take_a_long_decode_row_s_split_count(model_dir, monkeypatc
     assert 4 in used and 1 in used, used
 
 
+def test_mixed_graphs_split_the_chunk_s_keys_by_the_chunk_alone(model_dir, monkeypatch):
+    """A mixed graph's chunk runs its own attention kernel beside the decode rows', so its key
+    splits follow the padded chunk alone (a stand-in rule here: 8 splits for a lone chunk past
+    100 keys, 1 for anything counted with decode rows): the late chunks of the long prompt
+    replay the split graphs, with the eager steps' outputs."""
+    from tinyserve import graphs
+
+    monkeypatch.setattr(
+        graphs,
+        "prefill_num_splits",
+        lambda q, c, *a, **kw: graphs.MIXED_SPLITS if len(q) == 1 and c[0] > 100 else 1,
+    )
+    rng = random.Random(6)
+    prompts = [[rng.randrange(8, VOCAB) for _ in range(n)] for n in (5, 3, 200)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=8)
+    want = outputs(make_llm(model_dir, **kw), prompts, [params] * 3)
+    llm = with_replayed_graphs(make_llm(model_dir, **kw))
+    used = []
+    for g in llm.engine.runner.mixed_graphs.values():
+        run = g._run
+        g._run = lambda *key, run=run: (used.append(key[2][1]), run(*key))[1]
+    assert outputs(llm, prompts, [params] * 3) == want
+    assert graphs.MIXED_SPLITS in used and 1 in used, used
+
+
 def test_packed_to_device_views():
     """A step's inputs (and the sampler's) travel in one copy: each view has its array's
     values, dtype and shape, and starts 16-byte aligned (Triton compiles a kernel variant per
