@@ -23,7 +23,6 @@ Every figure is measured in this run; ratios compare numbers from this same run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -602,6 +601,7 @@ def bench_prefix(args) -> dict:
     if args.small:  # the CPU sizes
         g, r, sys_len, q_len, out_len = 4, 8, 512, 64, 32
         n_streams, long_len = 8, 4096
+    long_len = args.long_len or long_len
     rng = random.Random(0)
     res = {"rows": []}
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -920,42 +920,6 @@ def _batch1_replay_ms(graphs) -> dict[int, float]:
     return {key[2]: round(_time_replays(g), 4) for key, g in graphs.graphs.items() if key[0] == 1}
 
 
-class _TimedReplays:
-    """Stands in for a captured graph: events on the current stream around each replay."""
-
-    def __init__(self, graph, marks: list, event) -> None:
-        self.graph, self.marks, self.event = graph, marks, event
-
-    def replay(self) -> None:
-        start, end = self.event(enable_timing=True), self.event(enable_timing=True)
-        start.record()
-        self.graph.replay()
-        end.record()
-        self.marks.append((start, end))
-
-
-def _replay_timeline(graphs, run, event=None) -> dict[str, float]:
-    """Median ms of the decode graphs' replays inside the step loop while `run()` generates,
-    and of the GPU time from the end of one replay to the start of the next (the step's input
-    and output copies, and any wait for the host). Back-to-back replays (`_batch1_replay_ms`)
-    miss both: the prefill lane's ~2.5% batch-1 cost left them unchanged."""
-    marks: list = []
-    saved = dict(graphs.graphs)
-    event = event or torch.cuda.Event
-    graphs.graphs.update({k: _TimedReplays(g, marks, event) for k, g in saved.items()})
-    try:
-        run()
-    finally:
-        graphs.graphs.update(saved)
-    if len(marks) < 2:
-        return {}
-    marks[-1][1].synchronize()
-    inside = [s.elapsed_time(e) for s, e in marks]
-    between = [e.elapsed_time(s) for (_, e), (s, _) in zip(marks, marks[1:])]
-    return {"loop_replay_ms": round(_pct(inside, 0.5), 4),
-            "between_replays_ms": round(_pct(between, 0.5), 4), "replays": len(marks)}  # fmt: skip
-
-
 def bench_e2e(args) -> dict:
     """latency: batch 1, 32 in / 256 out. throughput: nano-vllm (256 seqs, in/out U[100,1024]),
     decode-heavy (128 x 32/2048), prefill-heavy (32 x 4096/32). hf64: batch 64, 512/256, next
@@ -970,8 +934,10 @@ def bench_e2e(args) -> dict:
     print(json.dumps(res["ceilings"]), flush=True)
     llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=256,
               enforce_eager=args.enforce_eager, prefill_lane_tokens=args.lane_tokens)  # fmt: skip
-    # Building the prefill lane costs batch-1 decode ~2.5% (H100, qwen3-0.6b; BENCHMARKS,
-    # twenty-fourth session), so the result says whether this run had one.
+    # The result says whether this run had a prefill lane. Building one leaves batch-1 decode
+    # ~3% slower than a fresh engine without (qwen3-0.6b), as any torch kernel a fresh process
+    # has not yet run does, e.g. one greedy request with logprobs: with programmatic dependent
+    # launch only (BENCHMARKS, twenty-sixth session).
     lane = llm.engine.runner.lane
     res["prefill_lane_tokens"] = lane.chunk if lane is not None else 0
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
@@ -1006,11 +972,7 @@ def bench_e2e(args) -> dict:
             graphs = llm.engine.runner.graphs
             if graphs is not None:
                 r["graph_replay_ms"] = _batch1_replay_ms(graphs)
-                prompts = [ids(32)]
-                r["replay_timeline"] = _replay_timeline(
-                    graphs, functools.partial(_run_offline, llm, prompts, [256])
-                )
-            keys = ("first_token_ms", "graph_replay_ms", "replay_timeline")
+            keys = ("first_token_ms", "graph_replay_ms")
             print({k: r.get(k) for k in keys}, flush=True)
         elif name == "nano-vllm":
             lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
@@ -1315,6 +1277,8 @@ def main() -> None:
                    "engine (0: long context only)")  # fmt: skip
     p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
                    "of the long-context run (0: skip it)")  # fmt: skip
+    p.add_argument("--long-len", type=int, default=None, help="prefix: the long prompt's "
+                   "tokens (default 32,768; 4,096 with --small)")  # fmt: skip
     p.add_argument("--lane-tokens", type=int, default=None, help="prefix (the long-context run) "
                    "and e2e: prefill_lane_tokens (default: the engine's; 0: no lane)")  # fmt: skip
     p.add_argument("--lane-reserve-sms", type=int, default=None, help="prefix: the long-context "
