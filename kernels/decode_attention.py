@@ -4,11 +4,13 @@
 (B, max_blocks) int32, context_lens (B,) int32, scale) -> (B, Hq, D)`. Program (b, kv head,
 split) reads its slice of the context once for all Hq/Hkv query heads; with several splits a
 second pass merges them by log-sum-exp. Splits are cut per sequence in the kernel, so the grid
-depends on shapes and the split count only (CUDA-graph safe). Under PDL a program fetches its
-first tile of earlier keys before waiting on the kernel before (which writes q and this step's
-keys), so short splits (`graphs.decode_tiling`: 32-key tiles) are nearly free on a batch-1
-step's chain. H100, bf16, batch 64 x 4k tokens: 389 us, 93% of the measured copy bandwidth (361
-us without that fetch, when decode kernels run back to back as in bench.py's timing).
+depends on shapes and the split count only (CUDA-graph safe). Under PDL, when the grid fits
+one wave (~2 programs an SM: batch 1's 8 kv heads x 32 splits), a program fetches its first
+tile of earlier keys before waiting on the kernel before (which writes q and this step's keys),
+so short splits (`graphs.decode_tiling`: 32-key tiles) are nearly free on a batch-1 step's
+chain. A larger grid waits first: there the early fetch cost MiMo-7B's batch-64 step 2.6% (H200,
+5.39 vs 5.25 ms) and gave batch 1 1.4% (4.04 vs 4.10 ms). H100, bf16, batch 64 x 4k tokens:
+361 us, 93% of the measured copy bandwidth.
 
 Shared prefixes (cascade attention): rows whose contexts start with the same KV blocks (prefix-
 cache hits) can attend to those blocks together. `shared_chunks` (C, 1 + R) int32 lists a
@@ -102,8 +104,8 @@ def _attend_split(
 ):  # fmt: skip
     """Keys [start, end) of one row and kv head into (m_i, l_i, acc). Every key but this step's
     QUERY_LEN new ones was stored by an earlier forward: the first tile of those is fetched
-    before waiting on the kernel before (PDL; it writes q and the new keys), so its latency
-    overlaps that kernel."""
+    before waiting on the kernel before (PDL, USE_PDL here only for a one-wave grid; it writes
+    q and the new keys), so its latency overlaps that kernel."""
     n, n_mask, block_ids, offs = _kv_slots(bt_row, start, end, BLOCK_SIZE, BLOCK_N)
     k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask & (n < first_new), d,
                     stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
@@ -143,7 +145,11 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
     SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, QUERY_LEN: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_FETCH: tl.constexpr,
 ):  # fmt: skip
+    if not EARLY_FETCH:  # more than one wave: wait first (see the module docstring)
+        pdl_sync(USE_PDL)
+    early_pdl: tl.constexpr = USE_PDL and EARLY_FETCH  # the wait, if it is still to come
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -181,16 +187,16 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_split(
             m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
             g_mask, last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks,
-            stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, USE_PDL,
+            stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, early_pdl,
         )  # fmt: skip
     elif start < end:
         m_i, l_i, acc = _attend_split(
             m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
             g_mask, last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks,
-            stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, USE_PDL,
+            stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, early_pdl,
         )  # fmt: skip
     else:
-        pdl_sync(USE_PDL)
+        pdl_sync(early_pdl)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (padding rows) gives zeros, not NaN
     if ONE_PASS:  # one split, no shared prefix: the output itself
@@ -427,6 +433,7 @@ def decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_PASS=total == 1,
         SHARED_SPLITS=prefix_splits, BLOCK_P=next_pow2(max(prefix_splits, 1)),
         QUERY_LEN=query_len, PRECISION=dot_precision(q.dtype), UPCAST=interp,
+        EARLY_FETCH=batch * num_kv_heads * num_splits <= 2 * num_sms(q.device),
         num_warps=num_warps or 4, **pdl(q.device),
         num_stages=num_stages or (2 if q.dtype == torch.float32 else 3),  # fp32 tiles: 2x smem
     )  # fmt: skip
