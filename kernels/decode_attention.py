@@ -9,8 +9,8 @@ one wave (~2 programs an SM: batch 1's 8 kv heads x 32 splits), a program fetche
 tile of earlier keys before waiting on the kernel before (which writes q and this step's keys),
 so short splits (`graphs.decode_tiling`: 32-key tiles) are nearly free on a batch-1 step's
 chain. A larger grid waits first: there the early fetch cost MiMo-7B's batch-64 step 2.6% (H200,
-5.39 vs 5.25 ms) and gave batch 1 1.4% (4.04 vs 4.10 ms). H100, bf16, batch 64 x 4k tokens:
-361 us, 93% of the measured copy bandwidth.
+5.39 vs 5.25 ms) and gave batch 1 1.4% (4.04 vs 4.10 ms). H100, bf16, batch 64 x 4k tokens,
+with the early fetch: 389 us, 93% of the measured copy bandwidth.
 
 Shared prefixes (cascade attention): rows whose contexts start with the same KV blocks (prefix-
 cache hits) can attend to those blocks together. `shared_chunks` (C, 1 + R) int32 lists a
