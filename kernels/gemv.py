@@ -227,11 +227,22 @@ def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     5. H100, bf16, M = 2..16, against the old ~2 programs per SM and 4 stages: MiMo-7B qkv 35.3
     -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads 0.5-1% faster; a deep pipeline over few
     programs streams W faster than many shallow ones (`scratch` sweeps in BENCHMARKS.md)."""
-    block_n = 128
-    while block_n > 32 and triton.cdiv(n, block_n) < num_sms(device) // 2:
+    sms, block_n = num_sms(device), 128
+    while block_n > 32 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
+    if m > 32 and block_n == 128 and _last_wave_fill(n, 64, sms) > _last_wave_fill(n, 128, sms):
+        # At 33-64 rows one program holds an SM, so a last wave on few SMs streams its W slowly.
+        # H200, MiMo-7B gate_up at 64 rows (172 programs of 128: the second wave on 40 SMs):
+        # the batch-64 decode step 5.31 -> 5.14 ms (BENCHMARKS.md, twenty-eighth session).
+        block_n = 64
     block_k = 256 if block_n == 32 else 128
     return block_n, *_fit_pipeline(m, block_n, block_k, dtype, device, max_stages=5)
+
+
+def _last_wave_fill(n: int, block_n: int, sms: int) -> float:
+    """The share of the SMs the grid's waves keep busy, one program an SM."""
+    programs = triton.cdiv(n, block_n)
+    return programs / (triton.cdiv(programs, sms) * sms)
 
 
 def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device: torch.device,

@@ -658,6 +658,17 @@ def test_gemv(dtype, m, method, out_dtype, k):
     assert_rel(out, gemv_ref(x.double(), w.double()), out_dtype or dtype)
 
 
+def test_gemv_many_rows_takes_64_wide_tiles_where_they_fill_the_last_wave():
+    """At 33-64 rows on the interpreter's 4 SMs, 640 rows of W make 5 programs of 128 (a second
+    wave on one SM) or 10 of 64 (3 waves, 10 of 12 slots): the 64-wide tile, still exact."""
+    m, n, k = 48, 640, 100
+    if DEVICE == "cpu":  # a GPU's SMs make these programs too few for 64: its tile is 32
+        assert dot_config(m, n, k, torch.float32, torch.device(DEVICE))[0] == 64
+    x, w = randn(m, k, dtype=torch.float32), randn(n, k, dtype=torch.float32)
+    out = gemv(x, w, method="dot")
+    assert_rel(out, gemv_ref(x.double(), w.double()), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "method"), [(1, "stream"), (3, "dot"), (20, "dot")])
 def test_gemv_bias(dtype, m, method):
@@ -716,6 +727,12 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 4, 4)
     assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 4, 4)
     assert split_config(64, 8192, 28672, torch.bfloat16, h100)[3] == 1
+    # 33-64 rows (one program an SM): 64-wide tiles where they fill the last wave better. MiMo's
+    # gate_up: 172 programs of 128 (a second wave on 40 SMs) against 344 of 64.
+    assert dot_config(64, 22016, 4096, torch.bfloat16, h100) == (64, 128, 5)
+    assert dot_config(64, 28672, 4096, torch.bfloat16, h100) == (128, 128, 4)  # a tie: wider
+    assert dot_config(64, 151936, 1024, torch.bfloat16, h100)[0] == 128
+    assert dot_config(16, 22016, 4096, torch.bfloat16, h100)[0] == 128
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1147,7 +1164,8 @@ def test_gemv_gpu(shape, m):
     ("shape", "m", "method"),
     [(s, m, "split") for s in [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)]
      for m in (33, 64, 100, 128)]
-    + [(s, m, "dot") for s in [(151936, 1024), (28672, 4096), (16384, 2048)] for m in (33, 64)],
+    + [(s, m, "dot") for s in [(151936, 1024), (28672, 4096), (22016, 4096), (16384, 2048)]
+       for m in (33, 64)],
 )  # fmt: skip
 def test_gemv_many_rows_gpu(shape, m, method):
     """Above 32 rows: down projections (to 128 rows) take split-K, wide W (LM heads, gate_up; to
