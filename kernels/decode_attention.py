@@ -299,14 +299,17 @@ def merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+MIN_SPLIT_KEYS = 128  # a GPU-filling split count keeps at least this many keys a split
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device) -> int:
     """The smallest power-of-two split count whose programs fill the last wave of ~2 resident
     programs per SM to >= 90% (H100: batch 64 x 8 kv heads -> 1, batch 1 -> 32), keeping at
-    least 128 tokens per split; the best-filled count when none reaches 90%."""
+    least MIN_SPLIT_KEYS tokens per split; the best-filled count when none reaches 90%."""
     slots = 2 * num_sms(device)
     best, best_fill = 1, 0.0
     splits = 1
-    while splits <= 64 and (splits == 1 or max_context_len // splits >= 128):
+    while splits <= 64 and (splits == 1 or max_context_len // splits >= MIN_SPLIT_KEYS):
         programs = batch * num_kv_heads * splits
         fill = programs / (triton.cdiv(programs, slots) * slots)
         if fill >= 0.9:

@@ -254,7 +254,6 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
 
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     graphs._full_num_splits.cache_clear()  # computed with the real SM count elsewhere
-    graphs._keys_per_split.cache_clear()
     cuda = torch.device("cuda")
 
     def splits(batch, ctx):
@@ -286,7 +285,6 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     assert decode_num_splits(1, 256, 8, 40960, torch.device("cpu"), 4096) == 1
     assert decode_tiling(1, 256, 8, 40960, torch.device("cpu"), 4) == (None, 0)
     graphs._full_num_splits.cache_clear()
-    graphs._keys_per_split.cache_clear()
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tinyserve.kernels import decode_attention
+from tinyserve.kernels.decode_attention import MIN_SPLIT_KEYS
 from tinyserve.kernels.prefill_attention import prefill_num_splits
 from tinyserve.layers.attention import AttentionMetadata, forward_context
 from tinyserve.sampling import greedy
@@ -72,10 +74,10 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
 # but one 64-key tile (no merge pass) beats two splits up to 64 keys: 0.685 vs 0.701 at 48.
 KEYS_PER_SPLIT = 32
 SHORT_SPLIT_BLOCK_N = 32
-# ...but once the unsplit grid gives >= 90% of the SMs a program, a split holds at least this many
-# keys (the kernel's own floor, `default_num_splits`): H200, MiMo-7B, batch 16 (128 programs),
-# contexts of 52-152 keys, one split against two plus the merge pass: 4.62 vs 4.75 ms a step.
-FULL_GRID_KEYS_PER_SPLIT = 128
+# ...but once the unsplit grid gives >= 90% of the SMs a program, a split holds at least the
+# kernel's own floor of keys: H200, MiMo-7B, batch 16 (128 programs), contexts of 52-152 keys,
+# one split against two plus the merge pass: 4.62 vs 4.75 ms a step.
+FULL_GRID_KEYS_PER_SPLIT = MIN_SPLIT_KEYS
 # A step whose longest context would give a split more than LONG_SPLIT_KEYS keys at the GPU-
 # filling count takes LONG_SPLITS splits instead, each at least LONG_MIN_SPLIT keys long, so
 # short rows use their first (the rest are empty and skip their reads) and a long row all of
@@ -104,18 +106,10 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
         return full
     if max_context_len > full * LONG_SPLIT_KEYS:
         return max(full, LONG_SPLITS)
-    tiles = -(-max_context_len // _keys_per_split(num_seqs, max_num_seqs, num_kv_heads, device))
-    return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=4096)
-def _keys_per_split(num_seqs: int, max_num_seqs: int, num_kv_heads: int,
-                    device: torch.device) -> int:  # fmt: skip
-    from tinyserve.kernels import decode_attention
-
     programs = padded_size(num_seqs, max_num_seqs) * num_kv_heads
     full_grid = programs >= 0.9 * decode_attention.num_sms(device)
-    return FULL_GRID_KEYS_PER_SPLIT if full_grid else KEYS_PER_SPLIT
+    tiles = -(-max_context_len // (FULL_GRID_KEYS_PER_SPLIT if full_grid else KEYS_PER_SPLIT))
+    return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
 
 
 def decode_tiling(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
@@ -137,9 +131,9 @@ def decode_tiling(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: 
 def _full_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
                      device: torch.device) -> int:  # fmt: skip
     """Cached: every decode step asks (12 us a call uncached on this CPU at batch 1)."""
-    from tinyserve.kernels.decode_attention import default_num_splits
-
-    return default_num_splits(padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device)
+    return decode_attention.default_num_splits(
+        padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device
+    )
 
 
 SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
