@@ -211,7 +211,9 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
     block_n = 2 if block_m == 1 and not prologue else 1
     while block_n < 16 and triton.cdiv(n, 2 * block_n) >= 4 * num_sms(device):
         block_n *= 2
-    per_step = 4096 // block_n if block_m == 1 else 8192 // (block_m * block_n)
+    # 4K products a step for one or two rows: H200, M = 2, MiMo-7B's attention out 13.1 -> 11.7
+    # us (4 x 512, was 4 x 1024), eh_proj 22.0 -> 20.4 (BENCHMARKS.md, twenty-ninth session).
+    per_step = 4096 // (block_m * block_n) if block_m <= 2 else 8192 // (block_m * block_n)
     block_k = min(next_pow2(k), max(64, per_step))
     if prologue:  # rows per program measured best at 4 (gated) / 8 (norm)
         block_n = max(block_n, 4 if prologue == 2 else 8)
@@ -271,13 +273,16 @@ def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devic
 def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
-    out, down: 4-30% over the dot kernel); "dot" for the rest up to MAX_ROWS rows, 1-40% over
+    out, down: 4-30% over the dot kernel); cuBLAS for two rows of a 7-8B model's qkv (H200); "dot"
+    for the rest up to MAX_ROWS rows, 1-40% over
     cuBLAS at Qwen3-0.6B to Llama-3.1-8B shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N
     (48-64 rows: gate_up 2-4%, LM heads 5-7% over cuBLAS); "split" (split-K dot) for down
     projections (K > 2N) up to MAX_SPLIT_ROWS rows, 2-26% over cuBLAS; None (cuBLAS) for the
     rest."""
     if m == 1 or (m == 2 and n <= k):
         return "stream"
+    if m == 2 and k >= 4096 and n < WIDE_N:  # qkv of 7-8B models: 16.0-16.5 us, dot 18.7-19.0
+        return None  # (H200, MiMo-7B 6,144 x 4,096; BENCHMARKS.md, twenty-ninth session)
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None

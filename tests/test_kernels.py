@@ -696,11 +696,14 @@ def test_gemv_split(dtype, m, k, num_splits, out_dtype):
 
 
 def test_gemv_method_and_dot_config(monkeypatch):
-    """One row streams; two rows stream only W with N <= K (attention out, down); the rest up to
-    32 rows take the dot kernel, and cuBLAS above. The dot tile is the widest that gives every
-    other SM a program, with as many stages as shared memory holds (at most 5)."""
+    """One row streams; two rows stream only W with N <= K (attention out, down), and take
+    cuBLAS for a 7-8B model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot
+    kernel, and cuBLAS above. The dot tile is the widest that gives every other SM a program,
+    with as many stages as shared memory holds (at most 5)."""
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
-    assert gemv_method(2, 6144, 4096) == gemv_method(16, 4096, 11008) == "dot"
+    assert gemv_method(2, 6144, 4096) is None and gemv_method(3, 6144, 4096) == "dot"
+    assert gemv_method(2, 4096, 1024) == gemv_method(2, 22016, 4096) == "dot"  # small K, wide N
+    assert gemv_method(2, 151936, 4096) == gemv_method(16, 4096, 11008) == "dot"
     assert gemv_method(32, 1024, 1024) == "dot" and gemv_method(33, 1024, 1024) is None
     # 33..64 rows: dot for wide W only (gate_up of 1B-8B models, LM heads).
     assert gemv_method(48, 22016, 4096) == gemv_method(64, 151936, 1024) == "dot"
@@ -795,6 +798,17 @@ def test_stream_config_one_row_tiles(monkeypatch):
     assert stream_config(1, 128256, 4096, h100) == (8, 1024)
     assert stream_config(1, 1024, 2048, h100) == (2, 2048)  # Qwen3-0.6B attention out
     assert stream_config(1, 1024, 3072, h100, prologue=2) == (4, 4096)  # its down
+
+
+def test_stream_config_two_row_tiles(monkeypatch):
+    """Two rows keep one row's 4K products a step (MiMo-7B's attention out and eh_proj: 4 x
+    512), more rows 8K; the gated prologue keeps its 8-row tiles."""
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    h100 = torch.device("cpu")
+    assert stream_config(2, 4096, 4096, h100) == stream_config(2, 4096, 8192, h100) == (4, 512)
+    assert stream_config(4, 4096, 4096, h100) == (4, 512)
+    assert stream_config(1, 4096, 4096, h100) == (4, 1024)
+    assert stream_config(2, 4096, 11008, h100, prologue=2) == (8, 512)
 
 
 def _long(values) -> torch.Tensor:
