@@ -232,17 +232,15 @@ def test_a_step_s_rows_round_up_to_the_next_graph_size():
 
 def test_decode_split_count_follows_the_longest_context(monkeypatch):
     """A decode step's split count: the padded batch's GPU-filling count, cut to a power of two
-    of at most KEYS_PER_SPLIT keys per split for its longest context (FULL_GRID_KEYS_PER_SPLIT
-    once the unsplit grid fills the SMs), and to one split (no merge pass) up to twice that;
-    batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head model; LONG_SPLITS (each
-    split at least LONG_MIN_SPLIT keys) where the longest context would leave a split over
-    LONG_SPLIT_KEYS keys. Splits the context cut take the short key tile, GPU-filling and long
-    ones the default."""
+    of at most KEYS_PER_SPLIT keys per split for its longest context, and to one split (no merge
+    pass) up to twice that; batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head
+    model; LONG_SPLITS (each split at least LONG_MIN_SPLIT keys) where the longest context
+    would leave a split over LONG_SPLIT_KEYS keys.
+    Splits the context cut take the short key tile, GPU-filling and long ones the default."""
     from tinyserve.kernels import decode_attention
 
     from tinyserve import graphs
     from tinyserve.graphs import (
-        FULL_GRID_KEYS_PER_SPLIT,
         KEYS_PER_SPLIT,
         LONG_MIN_SPLIT,
         LONG_SPLIT_KEYS,
@@ -268,11 +266,6 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
             ] == [1, 1, 1, 4, 4, 16, 32]  # fmt: skip
     assert [block_n(1, s) for s in (1, 4, 16, 32)] == [None] + [SHORT_SPLIT_BLOCK_N] * 2 + [None]
     assert splits(3, 4 * keys) == splits(4, 4 * keys) == 4  # padded size
-    # Once the unsplit grid gives most SMs a program (16 rows x 8 kv heads = 128 of 132), splits
-    # hold at least FULL_GRID_KEYS_PER_SPLIT keys: no merge pass for short contexts.
-    full_keys = FULL_GRID_KEYS_PER_SPLIT
-    assert splits(16, None) == 2 and splits(8, 4 * keys) == 4
-    assert [splits(16, c) for c in (4 * keys, 2 * full_keys, 2 * full_keys + 1)] == [1, 1, 2]
     assert splits(64, None) == splits(64, LONG_SPLIT_KEYS) == 1
     # A longer context (one long row beside short ones) takes LONG_SPLITS, the default tile.
     assert splits(64, LONG_SPLIT_KEYS + 1) == splits(64, 40960) == LONG_SPLITS

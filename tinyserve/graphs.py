@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from tinyserve.kernels import decode_attention
-from tinyserve.kernels.decode_attention import MIN_SPLIT_KEYS
 from tinyserve.kernels.prefill_attention import prefill_num_splits
 from tinyserve.layers.attention import AttentionMetadata, forward_context
 from tinyserve.sampling import greedy
@@ -74,10 +73,6 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
 # but one 64-key tile (no merge pass) beats two splits up to 64 keys: 0.685 vs 0.701 at 48.
 KEYS_PER_SPLIT = 32
 SHORT_SPLIT_BLOCK_N = 32
-# ...but once the unsplit grid gives >= 90% of the SMs a program, a split holds at least the
-# kernel's own floor of keys: H200, MiMo-7B, batch 16 (128 programs), contexts of 52-152 keys,
-# one split against two plus the merge pass: 4.62 vs 4.75 ms a step.
-FULL_GRID_KEYS_PER_SPLIT = MIN_SPLIT_KEYS
 # A step whose longest context would give a split more than LONG_SPLIT_KEYS keys at the GPU-
 # filling count takes LONG_SPLITS splits instead, each at least LONG_MIN_SPLIT keys long, so
 # short rows use their first (the rest are empty and skip their reads) and a long row all of
@@ -93,8 +88,7 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
                       device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
     cut to the power of two that gives the step's longest context at most KEYS_PER_SPLIT keys
-    per split (FULL_GRID_KEYS_PER_SPLIT once the unsplit grid fills the SMs), and to one split
-    (no merge pass) for up to twice that; raised to
+    per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys; raised to
     LONG_SPLITS where the longest context would leave a split over LONG_SPLIT_KEYS. A function
     of the padded size and the longest context, so eager and graph steps sum in the same order.
     Verify steps take the same count (MiMo-7B batch-1 verify graph, k = 1, 32-token prompts:
@@ -106,9 +100,7 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
         return full
     if max_context_len > full * LONG_SPLIT_KEYS:
         return max(full, LONG_SPLITS)
-    programs = padded_size(num_seqs, max_num_seqs) * num_kv_heads
-    full_grid = programs >= 0.9 * decode_attention.num_sms(device)
-    tiles = -(-max_context_len // (FULL_GRID_KEYS_PER_SPLIT if full_grid else KEYS_PER_SPLIT))
+    tiles = -(-max_context_len // KEYS_PER_SPLIT)
     return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
 
 
