@@ -273,12 +273,11 @@ def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devic
 def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
-    out, down: 4-30% over the dot kernel); cuBLAS for two rows of a 7-8B model's qkv (H200); "dot"
-    for the rest up to MAX_ROWS rows, 1-40% over
-    cuBLAS at Qwen3-0.6B to Llama-3.1-8B shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N
-    (48-64 rows: gate_up 2-4%, LM heads 5-7% over cuBLAS); "split" (split-K dot) for down
-    projections (K > 2N) up to MAX_SPLIT_ROWS rows, 2-26% over cuBLAS; None (cuBLAS) for the
-    rest."""
+    out, down: 4-30% over the dot kernel); cuBLAS for two rows of a 7-8B model's qkv (H200);
+    "dot" for the rest up to MAX_ROWS rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B
+    shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
+    5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
+    rows, 2-26% over cuBLAS; None (cuBLAS) for the rest."""
     if m == 1 or (m == 2 and n <= k):
         return "stream"
     if m == 2 and k >= 4096 and n < WIDE_N:  # qkv of 7-8B models: 16.0-16.5 us, dot 18.7-19.0
