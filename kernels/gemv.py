@@ -83,7 +83,7 @@ def _gemv_stream_kernel(
     nw_ptr, res_ptr, res_out_ptr, eps, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     ONE_TILE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     m = tl.arange(0, BLOCK_M)
     pid = tl.program_id(0)
@@ -112,7 +112,7 @@ def _gemv_stream_kernel(
         )  # fmt: skip
     else:
         pdl_sync(USE_PDL)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
             k = k0 + kk
             w = _load_tile(w_rows + k[None, :], k, K, EVEN_K)
             acc, sum_sq = _stream_step(
@@ -220,6 +220,16 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
         if block_n * next_pow2(k) <= 8192:  # one tile, fetched before the PDL wait (below):
             block_k = next_pow2(k)  # H100, Qwen3-0.6B gate_up 7.7-7.9 -> 6.1-6.3 us (was 8 x 512)
     return block_n, block_k
+
+
+def stream_stages(k: int, block_k: int) -> int:
+    """W tiles a stream program keeps in flight: 3 (2 fetched ahead, through shared memory) once
+    it loops over 16 or more K tiles, else 1 (fetch, then use). H200, MiMo-7B, us a call: gate_up
+    at 1 row 48.4 -> 44.6-44.8 (16 tiles), gated down at 2 rows 28.2 -> 25.0 (22 tiles), eh_proj
+    at 2 rows 19.7 -> 19.2 (16); shorter loops gain nothing or lose (attention out at 1 row, 4
+    tiles: 9.6 -> 10.2; BENCHMARKS.md, thirtieth session). Without the loop's own stage count
+    Triton pipelines only the loads that feed a tl.dot, so this kernel's never were."""
+    return 3 if triton.cdiv(k, block_k) >= 16 else 1
 
 
 def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
@@ -373,8 +383,8 @@ def gemv(
             norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None,
-            num_warps=num_warps, num_stages=num_stages or 3, **pdl(x.device),
+            HAS_BIAS=bias is not None, LOOP_STAGES=num_stages or stream_stages(k, block_k),
+            num_warps=num_warps, num_stages=3, **pdl(x.device),
         )  # fmt: skip
     elif method == "dot":
         cfg_n, cfg_k, cfg_stages = dot_config(m, n, k, x.dtype, x.device)

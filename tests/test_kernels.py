@@ -30,6 +30,7 @@ from tinyserve.kernels.gemv import (  # noqa: E402
     gemv_ref,
     split_config,
     stream_config,
+    stream_stages,
 )
 from tinyserve.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
@@ -809,6 +810,30 @@ def test_stream_config_two_row_tiles(monkeypatch):
     assert stream_config(4, 4096, 4096, h100) == (4, 512)
     assert stream_config(1, 4096, 4096, h100) == (4, 1024)
     assert stream_config(2, 4096, 11008, h100, prologue=2) == (8, 512)
+
+
+def test_stream_stages_pipeline_long_loops(monkeypatch):
+    """A stream program pipelines its W tiles (3 in flight) once it loops over 16 or more:
+    MiMo-7B / Llama-3.1-8B gate_up at one row (16 x 256 tiles over K = 4096), gated down at two
+    (8 x 512 over 11,008); short loops (attention out at one row: 4 tiles) fetch one at a time."""
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    h100 = torch.device("cpu")
+    assert stream_config(1, 22016, 4096, h100) == (16, 256)
+    assert stream_stages(4096, 256) == 3
+    assert stream_stages(11008, 512) == 3
+    assert stream_stages(4096, 1024) == stream_stages(11008, 1024) == stream_stages(8192, 1024) == 1
+
+
+@pytest.mark.parametrize("num_stages", [None, 3])
+def test_gemv_stream_pipelined_loop_matches_reference(num_stages):
+    """The pipelined loop (forced at 3 stages, and the rule's choice) over 16+ K tiles, one and
+    two rows, plain and gated: the reference's result."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 1024, dtype=torch.float32, device=DEVICE)
+    for m, gated in ((1, False), (2, False), (2, True)):
+        x = torch.randn(m, 2048 if gated else 1024, dtype=torch.float32, device=DEVICE)
+        y = gemv(x, w, gated=gated, method="stream", block_n=4, block_k=64, num_stages=num_stages)
+        torch.testing.assert_close(y, gemv_ref(x, w, gated=gated), rtol=1e-5, atol=1e-4)
 
 
 def _long(values) -> torch.Tensor:
