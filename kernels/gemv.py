@@ -204,6 +204,11 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
         # this rule measured 3% slower end to end on Qwen3-0.6B (1,101 vs 1,133 tok/s), though
         # faster alone, so M = 1 keeps the rule below.
         return 8, min(next_pow2(k), 8192 // (8 * block_m))
+    if block_m == 2 and k >= 4096 and not prologue:  # 7-8B models' attention in / out
+        # With 3 stages (`stream_stages`). H200, MiMo-7B at two rows, us a call: attention out
+        # 11.3 -> 10.8, eh_proj 19.2 -> 18.3 (16 x 512, was 4 x 512); qkv 16.7 (cuBLAS) -> 15.9
+        # (4 x 256); MTP k=1 batch-1 step 4.44 -> 4.34 ms (BENCHMARKS.md, thirtieth session).
+        return (16, 512) if n <= k else (4, 256)
     if block_m == 1 and n >= 32768:  # LM heads, 16 x 256 before. H100: Qwen3-0.6B's 105.8
         return 8, min(next_pow2(k), 1024)  # -> 104.9 us, Llama-3.2-1B 173.8 -> 169.9, 8B 346 -> 340
     # One row, no prologue: at least 2 W rows a program (Qwen3-0.6B's attention out: 3.17 ->
@@ -222,14 +227,15 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
     return block_n, block_k
 
 
-def stream_stages(k: int, block_k: int) -> int:
+def stream_stages(m: int, k: int, block_k: int) -> int:
     """W tiles a stream program keeps in flight: 3 (2 fetched ahead, through shared memory) once
-    it loops over 16 or more K tiles, else 1 (fetch, then use). H200, MiMo-7B, us a call: gate_up
-    at 1 row 48.4 -> 44.6-44.8 (16 tiles), gated down at 2 rows 28.2 -> 25.0 (22 tiles), eh_proj
-    at 2 rows 19.7 -> 19.2 (16); shorter loops gain nothing or lose (attention out at 1 row, 4
-    tiles: 9.6 -> 10.2; BENCHMARKS.md, thirtieth session). Without the loop's own stage count
-    Triton pipelines only the loads that feed a tl.dot, so this kernel's never were."""
-    return 3 if triton.cdiv(k, block_k) >= 16 else 1
+    it loops over 16 or more K tiles, or for two rows at K >= 4096; else 1 (fetch, then use).
+    H200, MiMo-7B, us a call: gate_up at 1 row 48.4 -> 44.6-44.8 (16 tiles), gated down at 2 rows
+    28.2 -> 25.0 (22 tiles), attention out at 2 rows in 16 x 512 tiles 12.8 -> 10.8 (8 tiles);
+    short loops at one row gain nothing or lose (attention out, 4 tiles: 9.6 -> 10.2;
+    BENCHMARKS.md, thirtieth session). Without the loop's own stage count Triton pipelines only
+    the loads that feed a tl.dot, so this kernel's never were."""
+    return 3 if triton.cdiv(k, block_k) >= 16 or (m == 2 and k >= 4096) else 1
 
 
 def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
@@ -283,15 +289,14 @@ def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devic
 def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
-    out, down: 4-30% over the dot kernel); cuBLAS for two rows of a 7-8B model's qkv (H200);
+    out, down: 4-30% over the dot kernel) or of a 7-8B model's qkv (H200: 5% over cuBLAS);
     "dot" for the rest up to MAX_ROWS rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B
     shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
     rows, 2-26% over cuBLAS; None (cuBLAS) for the rest."""
-    if m == 1 or (m == 2 and n <= k):
+    # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
+    if m == 1 or (m == 2 and (n <= k or (k >= 4096 and n < WIDE_N))):
         return "stream"
-    if m == 2 and k >= 4096 and n < WIDE_N:  # qkv of 7-8B models: 16.0-16.5 us, dot 18.7-19.0
-        return None  # (H200, MiMo-7B 6,144 x 4,096; BENCHMARKS.md, twenty-ninth session)
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None
@@ -383,7 +388,7 @@ def gemv(
             norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None, LOOP_STAGES=num_stages or stream_stages(k, block_k),
+            HAS_BIAS=bias is not None, LOOP_STAGES=num_stages or stream_stages(m, k, block_k),
             num_warps=num_warps, num_stages=3, **pdl(x.device),
         )  # fmt: skip
     elif method == "dot":

@@ -697,12 +697,12 @@ def test_gemv_split(dtype, m, k, num_splits, out_dtype):
 
 
 def test_gemv_method_and_dot_config(monkeypatch):
-    """One row streams; two rows stream only W with N <= K (attention out, down), and take
-    cuBLAS for a 7-8B model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot
+    """One row streams; two rows stream only W with N <= K (attention out, down) and a 7-8B
+    model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot
     kernel, and cuBLAS above. The dot tile is the widest that gives every other SM a program,
     with as many stages as shared memory holds (at most 5)."""
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
-    assert gemv_method(2, 6144, 4096) is None and gemv_method(3, 6144, 4096) == "dot"
+    assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(3, 6144, 4096) == "dot"
     assert gemv_method(2, 4096, 1024) == gemv_method(2, 22016, 4096) == "dot"  # small K, wide N
     assert gemv_method(2, 151936, 4096) == gemv_method(16, 4096, 11008) == "dot"
     assert gemv_method(32, 1024, 1024) == "dot" and gemv_method(33, 1024, 1024) is None
@@ -802,11 +802,14 @@ def test_stream_config_one_row_tiles(monkeypatch):
 
 
 def test_stream_config_two_row_tiles(monkeypatch):
-    """Two rows keep one row's 4K products a step (MiMo-7B's attention out and eh_proj: 4 x
-    512), more rows 8K; the gated prologue keeps its 8-row tiles."""
+    """Two rows keep one row's 4K products a step, or at K >= 4096 take 16 x 512 tiles (N <= K:
+    MiMo-7B's attention out and eh_proj) or 4 x 256 (its qkv); more rows 8K; the gated prologue
+    keeps its 8-row tiles."""
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
     h100 = torch.device("cpu")
-    assert stream_config(2, 4096, 4096, h100) == stream_config(2, 4096, 8192, h100) == (4, 512)
+    assert stream_config(2, 4096, 4096, h100) == stream_config(2, 4096, 8192, h100) == (16, 512)
+    assert stream_config(2, 6144, 4096, h100) == (4, 256)  # MiMo-7B's qkv
+    assert stream_config(2, 1024, 2048, h100) == (1, 2048)  # Qwen3-0.6B's attention out
     assert stream_config(4, 4096, 4096, h100) == (4, 512)
     assert stream_config(1, 4096, 4096, h100) == (4, 1024)
     assert stream_config(2, 4096, 11008, h100, prologue=2) == (8, 512)
@@ -819,9 +822,11 @@ def test_stream_stages_pipeline_long_loops(monkeypatch):
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
     h100 = torch.device("cpu")
     assert stream_config(1, 22016, 4096, h100) == (16, 256)
-    assert stream_stages(4096, 256) == 3
-    assert stream_stages(11008, 512) == 3
-    assert stream_stages(4096, 1024) == stream_stages(11008, 1024) == stream_stages(8192, 1024) == 1
+    assert stream_stages(1, 4096, 256) == 3
+    assert stream_stages(2, 11008, 512) == 3
+    assert stream_stages(2, 4096, 512) == 3  # two rows at K >= 4096: 16 x 512 attention out
+    assert stream_stages(1, 4096, 1024) == stream_stages(1, 11008, 1024) == 1
+    assert stream_stages(1, 8192, 1024) == stream_stages(2, 2048, 1024) == 1
 
 
 @pytest.mark.parametrize("num_stages", [None, 3])
