@@ -1189,10 +1189,14 @@ def test_prefill_attention_gpu(dtype):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "shape", [(151936, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (4096, 14336)]
-)
+    "shape",
+    [(151936, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (4096, 4096), (22016, 4096),
+     (4096, 14336)],
+)  # fmt: skip
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 32])
 def test_gemv_gpu(shape, m):
+    """Real shapes, each row count's tuned method and tile (pipelined stream loops included:
+    gate_up at one row, every two-row W at K >= 4096)."""
     n, k = shape
     x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
     ref = gemv_ref(x.float(), w.float())
@@ -1200,6 +1204,17 @@ def test_gemv_gpu(shape, m):
         out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
         gemv(x, w, out, method=method)
         assert_rel(out, ref, BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_gated_gpu(m):
+    """MiMo-7B's down projection with the gated prologue (22 pipelined tiles at two rows)."""
+    x, w = randn(m, 2 * 11008, dtype=BF16), randn(4096, 11008, dtype=BF16) * 0.05
+    out = torch.full((m, 4096), float("nan"), dtype=BF16, device=DEVICE)
+    gemv(x, w, out, gated=True)
+    assert_rel(out, gemv_ref(x.float(), w.float(), gated=True), BF16)
 
 
 @gpu
