@@ -30,6 +30,11 @@ from ._common import (
 MAX_ROWS = 32  # the dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS (H100)
 WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it wins to 64 rows
 MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
+# 3-8 rows of a 7-8B model's W (K >= 4096) but LM heads and down projections: cuBLAS. H200,
+# MiMo-7B, steady steps, dot -> cuBLAS (BENCHMARKS.md, thirtieth session): plain batch 4 5.41 ->
+# 4.50 ms, batch 8 5.17 -> 4.50; MTP k=1 batch 2 (4-row verify) 5.58 -> 4.75, batch 4 5.47 ->
+# 4.73. Not measured on an H100, where the dot kernel was tuned.
+CUBLAS_FEW_ROWS = 8
 MAX_SPLIT_ROWS = 128  # the split-K form's, for down projections (measured at 64 and 128 rows)
 MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
 
@@ -290,6 +295,7 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
     out, down: 4-30% over the dot kernel) or of a 7-8B model's qkv (H200: 5% over cuBLAS);
+    cuBLAS for 3-8 rows of such a model's W but LM heads and down projections (H200);
     "dot" for the rest up to MAX_ROWS rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B
     shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
@@ -297,6 +303,8 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
     if m == 1 or (m == 2 and (n <= k or (k >= 4096 and n < WIDE_N))):
         return "stream"
+    if 3 <= m <= CUBLAS_FEW_ROWS and k >= 4096 and n < 32768 and k <= 2 * n:
+        return None
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None

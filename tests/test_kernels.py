@@ -698,11 +698,17 @@ def test_gemv_split(dtype, m, k, num_splits, out_dtype):
 
 def test_gemv_method_and_dot_config(monkeypatch):
     """One row streams; two rows stream only W with N <= K (attention out, down) and a 7-8B
-    model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot
-    kernel, and cuBLAS above. The dot tile is the widest that gives every other SM a program,
-    with as many stages as shared memory holds (at most 5)."""
+    model's qkv (K >= 4096, N < WIDE_N); 3-8 rows of such W take cuBLAS, but for heads and
+    down projections; the rest up to 32 rows take the dot kernel, and cuBLAS above. The dot
+    tile is the widest that gives every other SM a program, with as many stages as shared
+    memory holds (at most 5)."""
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
-    assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(3, 6144, 4096) == "dot"
+    assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(9, 6144, 4096) == "dot"
+    # 3..8 rows at K >= 4096: cuBLAS, but for LM heads / draft heads and down projections.
+    assert gemv_method(3, 6144, 4096) is gemv_method(8, 22016, 4096) is None
+    assert gemv_method(4, 4096, 4096) is gemv_method(4, 4096, 8192) is None  # o, eh_proj
+    assert gemv_method(8, 4096, 11008) == gemv_method(8, 32768, 4096) == "dot"
+    assert gemv_method(4, 6144, 1024) == gemv_method(4, 3072, 2048) == "dot"
     assert gemv_method(2, 4096, 1024) == gemv_method(2, 22016, 4096) == "dot"  # small K, wide N
     assert gemv_method(2, 151936, 4096) == gemv_method(16, 4096, 11008) == "dot"
     assert gemv_method(32, 1024, 1024) == "dot" and gemv_method(33, 1024, 1024) is None
