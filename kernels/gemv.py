@@ -1,7 +1,8 @@
 """Skinny matmul for decode batches: y (M, N) = x (M, K) @ W (N, K)^T, W as nn.Linear.
 
 Both variants stream W once, coalesced, with float32 accumulation: "stream" gives each program
-BLOCK_N rows of W and multiplies on the CUDA cores (one or two rows of x); "dot" runs a
+BLOCK_N rows of W and multiplies on the CUDA cores (one or two rows of x), with up to 3 W tiles
+in flight where its loop over K is long (`stream_stages`); "dot" runs a
 BLOCK_N x BLOCK_K tile of W against x padded to 16-128 rows (a power of two) on the tensor
 cores, with a deep pipeline; its "split" form also divides K among programs (float32 partials,
 then a fixed-order sum), which fills the SMs for down projections at 33-128 rows.
