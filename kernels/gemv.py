@@ -30,6 +30,7 @@ from ._common import (
 
 MAX_ROWS = 32  # the dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS (H100)
 WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it wins to 64 rows
+HEAD_N = 32768  # W this wide is an LM head (or a 32k draft head)
 MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
 # 3-8 rows of a 7-8B model's W (K >= 4096) but LM heads and down projections: cuBLAS. H200,
 # MiMo-7B, steady steps, dot -> cuBLAS (BENCHMARKS.md, thirtieth session): plain batch 4 5.41 ->
@@ -215,7 +216,7 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
         # 11.3 -> 10.8, eh_proj 19.2 -> 18.3 (16 x 512, was 4 x 512); qkv 16.7 (cuBLAS) -> 15.9
         # (4 x 256); MTP k=1 batch-1 step 4.44 -> 4.34 ms (BENCHMARKS.md, thirtieth session).
         return (16, 512) if n <= k else (4, 256)
-    if block_m == 1 and n >= 32768:  # LM heads, 16 x 256 before. H100: Qwen3-0.6B's 105.8
+    if block_m == 1 and n >= HEAD_N:  # LM heads, 16 x 256 before. H100: Qwen3-0.6B's 105.8
         return 8, min(next_pow2(k), 1024)  # -> 104.9 us, Llama-3.2-1B 173.8 -> 169.9, 8B 346 -> 340
     # One row, no prologue: at least 2 W rows a program (Qwen3-0.6B's attention out: 3.17 ->
     # 2.90 us). Not with a prologue: its down projection's 1 x 4096 step (one tile) would halve.
@@ -304,7 +305,7 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
     if m == 1 or (m == 2 and (n <= k or (k >= 4096 and n < WIDE_N))):
         return "stream"
-    if 3 <= m <= CUBLAS_FEW_ROWS and k >= 4096 and n < 32768 and k <= 2 * n:
+    if 3 <= m <= CUBLAS_FEW_ROWS and k >= 4096 and n < HEAD_N and k <= 2 * n:
         return None
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
