@@ -234,15 +234,20 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
     return block_n, block_k
 
 
-def stream_stages(m: int, k: int, block_k: int) -> int:
+def stream_stages(m: int, k: int, block_n: int, block_k: int, itemsize: int,
+                  device: torch.device) -> int:  # fmt: skip
     """W tiles a stream program keeps in flight: 3 (2 fetched ahead, through shared memory) once
     it loops over 16 or more K tiles, or for two rows at K >= 4096; else 1 (fetch, then use).
     H200, MiMo-7B, us a call: gate_up at 1 row 48.4 -> 44.6-44.8 (16 tiles), gated down at 2 rows
     28.2 -> 25.0 (22 tiles), attention out at 2 rows in 16 x 512 tiles 12.8 -> 10.8 (8 tiles);
     short loops at one row gain nothing or lose (attention out, 4 tiles: 9.6 -> 10.2;
     BENCHMARKS.md, thirtieth session). Without the loop's own stage count Triton pipelines only
-    the loads that feed a tl.dot, so this kernel's never were."""
-    return 3 if triton.cdiv(k, block_k) >= 16 or (m == 2 and k >= 4096) else 1
+    the loads that feed a tl.dot, so this kernel's never were. The 3 stages of W and x tiles
+    (x: up to 3 rows' worth per row, for [gate | up] and a residual) must fit in shared memory:
+    float32 16 x 512 tiles do not on a ~100 KB consumer card."""
+    long_loop = triton.cdiv(k, block_k) >= 16 or (m == 2 and k >= 4096)
+    tiles = 3 * (block_n + 3 * next_pow2(m) + 1) * block_k * itemsize
+    return 3 if long_loop and tiles <= shared_memory(device) else 1
 
 
 def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
@@ -393,12 +398,13 @@ def gemv(
     if method == "stream":
         cfg_n, cfg_k = stream_config(m, n, k, x.device, prologue)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
+        stages = stream_stages(m, k, block_n, block_k, x.element_size(), x.device)
         _gemv_stream_kernel[(triton.cdiv(n, block_n),)](
             *args, bias if bias is not None else x, *sizes,
             norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None, LOOP_STAGES=num_stages or stream_stages(m, k, block_k),
+            HAS_BIAS=bias is not None, LOOP_STAGES=num_stages or stages,
             num_warps=num_warps, num_stages=3, **pdl(x.device),
         )  # fmt: skip
     elif method == "dot":

@@ -828,11 +828,18 @@ def test_stream_stages_pipeline_long_loops(monkeypatch):
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
     h100 = torch.device("cpu")
     assert stream_config(1, 22016, 4096, h100) == (16, 256)
-    assert stream_stages(1, 4096, 256) == 3
-    assert stream_stages(2, 11008, 512) == 3
-    assert stream_stages(2, 4096, 512) == 3  # two rows at K >= 4096: 16 x 512 attention out
-    assert stream_stages(1, 4096, 1024) == stream_stages(1, 11008, 1024) == 1
-    assert stream_stages(1, 8192, 1024) == stream_stages(2, 2048, 1024) == 1
+    bf16 = 2
+    assert stream_stages(1, 4096, 16, 256, bf16, h100) == 3
+    assert stream_stages(2, 11008, 8, 512, bf16, h100) == 3
+    assert stream_stages(2, 4096, 16, 512, bf16, h100) == 3  # two rows at K >= 4096
+    assert stream_stages(1, 4096, 4, 1024, bf16, h100) == 1  # 4 tiles
+    assert stream_stages(1, 11008, 4, 1024, bf16, h100) == 1  # 11 tiles
+    assert stream_stages(1, 8192, 4, 1024, bf16, h100) == 1  # 8 tiles
+    assert stream_stages(2, 2048, 2, 1024, bf16, h100) == 1  # two rows, K < 4096
+    # 3 float32 stages of 16 x 512 (141 KB) do not fit a 99 KB consumer card; bf16 (71 KB) do.
+    monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 101376)
+    assert stream_stages(2, 4096, 16, 512, 4, h100) == 1
+    assert stream_stages(2, 4096, 16, 512, bf16, h100) == 3
 
 
 @pytest.mark.parametrize("num_stages", [None, 3])
