@@ -31,6 +31,7 @@ from ._common import (
 MAX_ROWS = 32  # the dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS (H100)
 WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it wins to 64 rows
 HEAD_N = 32768  # W this wide is an LM head (or a 32k draft head)
+LARGE_K = 4096  # 7-8B models' hidden size: their few-row rules were measured on the H200
 MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
 # 3-8 rows of a 7-8B model's W (K >= 4096) but LM heads and down projections: cuBLAS. H200,
 # MiMo-7B, steady steps, dot -> cuBLAS (BENCHMARKS.md, thirtieth session): plain batch 4 5.41 ->
@@ -211,7 +212,7 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
         # this rule measured 3% slower end to end on Qwen3-0.6B (1,101 vs 1,133 tok/s), though
         # faster alone, so M = 1 keeps the rule below.
         return 8, min(next_pow2(k), 8192 // (8 * block_m))
-    if block_m == 2 and k >= 4096 and not prologue:  # 7-8B models' attention in / out
+    if block_m == 2 and k >= LARGE_K and not prologue:  # 7-8B models' attention in / out
         # With 3 stages (`stream_stages`). H200, MiMo-7B at two rows, us a call: attention out
         # 11.3 -> 10.8, eh_proj 19.2 -> 18.3 (16 x 512, was 4 x 512); qkv 16.7 (cuBLAS) -> 15.9
         # (4 x 256); MTP k=1 batch-1 step 4.44 -> 4.34 ms (BENCHMARKS.md, thirtieth session).
@@ -245,7 +246,7 @@ def stream_stages(m: int, k: int, block_n: int, block_k: int, itemsize: int,
     the loads that feed a tl.dot, so this kernel's never were. The 3 stages of W and x tiles
     (x: up to 3 rows' worth per row, for [gate | up] and a residual) must fit in shared memory:
     float32 16 x 512 tiles do not on a ~100 KB consumer card."""
-    long_loop = triton.cdiv(k, block_k) >= 16 or (m == 2 and k >= 4096)
+    long_loop = triton.cdiv(k, block_k) >= 16 or (m == 2 and k >= LARGE_K)
     tiles = 3 * (block_n + 3 * next_pow2(m) + 1) * block_k * itemsize
     return 3 if long_loop and tiles <= shared_memory(device) else 1
 
@@ -308,9 +309,9 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
     rows, 2-26% over cuBLAS; None (cuBLAS) for the rest."""
     # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
-    if m == 1 or (m == 2 and (n <= k or (k >= 4096 and n < WIDE_N))):
+    if m == 1 or (m == 2 and (n <= k or (k >= LARGE_K and n < WIDE_N))):
         return "stream"
-    if 3 <= m <= CUBLAS_FEW_ROWS and k >= 4096 and n < HEAD_N and k <= 2 * n:
+    if 3 <= m <= CUBLAS_FEW_ROWS and k >= LARGE_K and n < HEAD_N and k <= 2 * n:
         return None
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
@@ -398,14 +399,13 @@ def gemv(
     if method == "stream":
         cfg_n, cfg_k = stream_config(m, n, k, x.device, prologue)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
-        stages = stream_stages(m, k, block_n, block_k, x.element_size(), x.device)
+        stages = num_stages or stream_stages(m, k, block_n, block_k, x.element_size(), x.device)
         _gemv_stream_kernel[(triton.cdiv(n, block_n),)](
             *args, bias if bias is not None else x, *sizes,
             norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None, LOOP_STAGES=num_stages or stages,
-            num_warps=num_warps, num_stages=3, **pdl(x.device),
+            HAS_BIAS=bias is not None, LOOP_STAGES=stages, num_warps=num_warps, **pdl(x.device),
         )  # fmt: skip
     elif method == "dot":
         cfg_n, cfg_k, cfg_stages = dot_config(m, n, k, x.dtype, x.device)

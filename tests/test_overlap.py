@@ -235,8 +235,8 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     of at most KEYS_PER_SPLIT keys per split for its longest context, and to one split (no merge
     pass) up to twice that; batch 1 on a 132-SM card fills with 32 splits of an 8-kv-head
     model; LONG_SPLITS (each split at least LONG_MIN_SPLIT keys) where the longest context
-    would leave a split over LONG_SPLIT_KEYS keys.
-    Splits the context cut take the short key tile, GPU-filling and long ones the default."""
+    would leave a split over LONG_SPLIT_KEYS keys. Splits the context cut take the short key
+    tile, GPU-filling and long ones the default."""
     from tinyserve.kernels import decode_attention
 
     from tinyserve import graphs
