@@ -33,11 +33,6 @@ WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it 
 HEAD_N = 32768  # W this wide is an LM head (or a 32k draft head)
 LARGE_K = 4096  # 7-8B models' hidden size: their few-row rules were measured on the H200
 MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
-# 3-8 rows of a 7-8B model's W (K >= 4096) but LM heads and down projections: cuBLAS. H200,
-# MiMo-7B, steady steps, dot -> cuBLAS (BENCHMARKS.md, thirtieth session): plain batch 4 5.41 ->
-# 4.50 ms, batch 8 5.17 -> 4.50; MTP k=1 batch 2 (4-row verify) 5.58 -> 4.75, batch 4 5.47 ->
-# 4.73. Not measured on an H100, where the dot kernel was tuned.
-CUBLAS_FEW_ROWS = 8
 MAX_SPLIT_ROWS = 128  # the split-K form's, for down projections (measured at 64 and 128 rows)
 MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
 
@@ -253,11 +248,12 @@ def stream_stages(m: int, k: int, block_n: int, block_k: int, itemsize: int,
 
 def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
                ) -> tuple[int, int, int]:  # fmt: skip
-    """(BLOCK_N, BLOCK_K, stages): the widest W tile that still gives every other SM a program
-    (128 x 128, 64 x 128 or 32 x 256), as many stages in flight as shared memory holds, up to
-    5. H100, bf16, M = 2..16, against the old ~2 programs per SM and 4 stages: MiMo-7B qkv 35.3
-    -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads 0.5-1% faster; a deep pipeline over few
-    programs streams W faster than many shallow ones (`scratch` sweeps in BENCHMARKS.md)."""
+    """(BLOCK_N, BLOCK_K, stages): the widest W tile that still gives every other SM a program (128
+    x 128, 64 x 128 or 32 x 256), as many stages in flight as shared memory holds, up to 5 (or more,
+    so that a program holds an SM alone: `_fit_pipeline`). H100, bf16, M = 2..16, against the old ~2
+    programs per SM and 4 stages: MiMo-7B qkv 35.3 -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads
+    0.5-1% faster; a deep pipeline over few programs streams W faster than many shallow ones
+    (`scratch` sweeps in BENCHMARKS.md)."""
     sms, block_n = num_sms(device), 128
     while block_n > 32 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
@@ -279,20 +275,32 @@ def _last_wave_fill(n: int, block_n: int, sms: int) -> float:
 def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device: torch.device,
                   max_stages: int) -> tuple[int, int]:  # fmt: skip
     """(BLOCK_K, stages) of a dot tile: BLOCK_K halved until two stages of W and x tiles fit in
-    shared memory (float32 at 32 rows on a 100 KB consumer card), then as many stages as fit."""
+    shared memory (float32 at 32 rows on a 100 KB consumer card), then as many stages as fit,
+    up to max_stages, and at least enough that one program holds over half of an SM's shared
+    memory where they fit: no two programs of a grid share an SM.
+
+    The 32- and 64-wide tiles and split-K make grids of about one program an SM or fewer, and
+    under PDL a kernel's programs are placed while the kernel before it still runs, on the SMs
+    that have room then. Where two fitted on one SM they were stacked in pairs on part of the
+    GPU, each pair streaming W at one SM's rate. H200, MiMo-7B at 16 rows, 5 -> 6-7 stages
+    (4 -> 5-7 tiles held): plain decode batch 16 4.73 -> 4.42 ms a step; dot at 8 rows then
+    beat cuBLAS, 4.54 -> 4.30 (BENCHMARKS.md, thirty-first session). Triton holds stages - 1
+    tiles (mma v2, 32-wide W tiles) or stages (wgmma), hence the + 2."""
     smem, rows = shared_memory(device), max(16, next_pow2(m))
     while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
         block_k //= 2
-    return block_k, min(max_stages, smem // ((block_n + rows) * block_k * dtype.itemsize))
+    stage = (block_n + rows) * block_k * dtype.itemsize
+    exclusive = smem // 2 // stage + 2
+    return block_k, min(smem // stage, max(max_stages, exclusive))
 
 
 def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[int, int, int, int]:  # fmt: skip
-    """(BLOCK_N, BLOCK_K, stages, splits) of the split-K dot kernel: 64 x 128 W tiles, 4
-    stages, K split in up to 4 so the grid fills the SMs once. H100 sweep, bf16, M = 64 / 128,
-    us against cuBLAS (which splits K itself at 64 rows): MiMo-7B down 36.8 / 39.3 vs 38.6 /
-    41.3, Llama-3.1-8B down 46.1 / 50.1 vs 48.6 / 54.1, Llama-3.2-1B down 15.6 / 17.9 vs 18.0 /
-    19.7, Qwen3-0.6B down 6.2 / 7.4 vs 8.4 / 7.5 (BENCHMARKS.md, fifteenth session)."""
+    """(BLOCK_N, BLOCK_K, stages, splits) of the split-K dot kernel: 64 x 128 W tiles, 4 stages (5
+    at 64 rows: `_fit_pipeline`), K split in up to 4 so the grid fills the SMs once. H100 sweep,
+    bf16, M = 64 / 128, us against cuBLAS (which splits K itself at 64 rows): MiMo-7B down 36.8 /
+    39.3 vs 38.6 / 41.3, Llama-3.1-8B down 46.1 / 50.1 vs 48.6 / 54.1, Llama-3.2-1B down 15.6 / 17.9
+    vs 18.0 / 19.7, Qwen3-0.6B down 6.2 / 7.4 vs 8.4 / 7.5 (BENCHMARKS.md, fifteenth session)."""
     block_n = 64
     block_k, stages = _fit_pipeline(m, block_n, 128, dtype, device, max_stages=4)
     splits = max(1, min(4, num_sms(device) // triton.cdiv(n, block_n)))
@@ -303,7 +311,6 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
     out, down: 4-30% over the dot kernel) or of a 7-8B model's qkv (H200: 5% over cuBLAS);
-    cuBLAS for 3-8 rows of such a model's W but LM heads and down projections (H200);
     "dot" for the rest up to MAX_ROWS rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B
     shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
@@ -311,8 +318,6 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
     if m == 1 or (m == 2 and (n <= k or (k >= LARGE_K and n < WIDE_N))):
         return "stream"
-    if 3 <= m <= CUBLAS_FEW_ROWS and k >= LARGE_K and n < HEAD_N and k <= 2 * n:
-        return None
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None

@@ -698,16 +698,13 @@ def test_gemv_split(dtype, m, k, num_splits, out_dtype):
 
 def test_gemv_method_and_dot_config(monkeypatch):
     """One row streams; two rows stream only W with N <= K (attention out, down) and a 7-8B
-    model's qkv (K >= 4096, N < WIDE_N); 3-8 rows of such W take cuBLAS, but for heads and
-    down projections; the rest up to 32 rows take the dot kernel, and cuBLAS above. The dot
-    tile is the widest that gives every other SM a program, with as many stages as shared
-    memory holds (at most 5)."""
+    model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot kernel, and
+    cuBLAS above. The dot tile is the widest that gives every other SM a program, with as many
+    stages as shared memory holds (at most 5), or more where a program would not hold its SM
+    alone."""
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
-    assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(9, 6144, 4096) == "dot"
-    # 3..8 rows at K >= 4096: cuBLAS, but for LM heads / draft heads and down projections.
-    assert gemv_method(3, 6144, 4096) is gemv_method(8, 22016, 4096) is None
-    assert gemv_method(4, 4096, 4096) is gemv_method(4, 4096, 8192) is None  # o, eh_proj
-    assert gemv_method(8, 4096, 11008) == gemv_method(8, 32768, 4096) == "dot"
+    assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(3, 6144, 4096) == "dot"
+    assert gemv_method(4, 4096, 4096) == gemv_method(8, 22016, 4096) == "dot"  # o, gate_up
     assert gemv_method(4, 6144, 1024) == gemv_method(4, 3072, 2048) == "dot"
     assert gemv_method(2, 4096, 1024) == gemv_method(2, 22016, 4096) == "dot"  # small K, wide N
     assert gemv_method(2, 151936, 4096) == gemv_method(16, 4096, 11008) == "dot"
@@ -734,8 +731,8 @@ def test_gemv_method_and_dot_config(monkeypatch):
     monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 232448)
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
     assert split_config(128, 4096, 11008, torch.bfloat16, h100) == (64, 128, 4, 2)
-    assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 4, 4)
-    assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 4, 4)
+    assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 5, 4)
+    assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 5, 4)
     assert split_config(64, 8192, 28672, torch.bfloat16, h100)[3] == 1
     # 33-64 rows (one program an SM): 64-wide tiles where they fill the last wave better. MiMo's
     # gate_up: 172 programs of 128 (a second wave on 40 SMs) against 344 of 64.
@@ -743,6 +740,13 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert dot_config(64, 28672, 4096, torch.bfloat16, h100) == (128, 128, 4)  # a tie: wider
     assert dot_config(64, 151936, 1024, torch.bfloat16, h100)[0] == 128
     assert dot_config(16, 22016, 4096, torch.bfloat16, h100)[0] == 128
+    # Programs that would fit two to an SM hold more stages, so that one holds it alone (less
+    # one stage: Triton's mma v2 pipeline keeps stages - 1 tiles): MiMo's attention out and
+    # down at 16 rows, 128 programs of 32 x 256 (24 KB a stage); qkv, 96 of 64 x 128 (20 KB).
+    for n, k, tile in ((4096, 4096, (32, 256, 6)), (4096, 11008, (32, 256, 6)),
+                       (6144, 4096, (64, 128, 7))):  # fmt: skip
+        assert dot_config(16, n, k, torch.bfloat16, h100) == tile
+        assert (tile[2] - 1) * (tile[0] + 16) * tile[1] * 2 > 232448 // 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
