@@ -257,10 +257,12 @@ def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     sms, block_n = num_sms(device), 128
     while block_n > 32 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
-    if m > 32 and block_n == 128 and _last_wave_fill(n, 64, sms) > _last_wave_fill(n, 128, sms):
-        # At 33-64 rows one program holds an SM, so a last wave on few SMs streams its W slowly.
-        # H200, MiMo-7B gate_up at 64 rows (172 programs of 128: the second wave on 40 SMs):
-        # the batch-64 decode step 5.31 -> 5.14 ms (BENCHMARKS.md, twenty-eighth session).
+    if m > 8 and block_n == 128 and _last_wave_fill(n, 64, sms) > _last_wave_fill(n, 128, sms):
+        # A 128-wide program holds an SM alone, so a last wave on few SMs streams its W slowly.
+        # H200, MiMo-7B gate_up (172 programs of 128: the second wave on 40 SMs), steady decode
+        # steps: batch 64 5.31 -> 5.14 ms (twenty-eighth session); batch 16 4.37 -> 4.31, 32
+        # 4.43 -> 4.35, MTP verify at 16 / 32 rows 4.51 -> 4.44, 4.78 -> 4.70. At 2-4 rows it
+        # lost (plain batch 2 4.09 -> 4.14 ms), at 8 it tied (thirty-first session).
         block_n = 64
     block_k = 256 if block_n == 32 else 128
     return block_n, *_fit_pipeline(m, block_n, block_k, dtype, device, max_stages=5)

@@ -660,7 +660,7 @@ def test_gemv(dtype, m, method, out_dtype, k):
 
 
 def test_gemv_many_rows_takes_64_wide_tiles_where_they_fill_the_last_wave():
-    """At 33-64 rows on the interpreter's 4 SMs, 640 rows of W make 5 programs of 128 (a second
+    """At 9-64 rows on the interpreter's 4 SMs, 640 rows of W make 5 programs of 128 (a second
     wave on one SM) or 10 of 64 (3 waves, 10 of 12 slots): the 64-wide tile, still exact."""
     m, n, k = 48, 640, 100
     if DEVICE == "cpu":  # a GPU's SMs make these programs too few for 64: its tile is 32
@@ -734,12 +734,13 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 5, 4)
     assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 5, 4)
     assert split_config(64, 8192, 28672, torch.bfloat16, h100)[3] == 1
-    # 33-64 rows (one program an SM): 64-wide tiles where they fill the last wave better. MiMo's
-    # gate_up: 172 programs of 128 (a second wave on 40 SMs) against 344 of 64.
+    # 9-64 rows: 64-wide tiles where they fill the last wave better. MiMo's gate_up: 172
+    # programs of 128 (a second wave on 40 SMs) against 344 of 64.
     assert dot_config(64, 22016, 4096, torch.bfloat16, h100) == (64, 128, 5)
     assert dot_config(64, 28672, 4096, torch.bfloat16, h100) == (128, 128, 4)  # a tie: wider
     assert dot_config(64, 151936, 1024, torch.bfloat16, h100)[0] == 128
-    assert dot_config(16, 22016, 4096, torch.bfloat16, h100)[0] == 128
+    assert dot_config(16, 22016, 4096, torch.bfloat16, h100)[0] == 64  # from 9 rows
+    assert dot_config(8, 22016, 4096, torch.bfloat16, h100)[0] == 128
     # Programs that would fit two to an SM hold more stages, so that one holds it alone (less
     # one stage: Triton's mma v2 pipeline keeps stages - 1 tiles): MiMo's attention out and
     # down at 16 rows, 128 programs of 32 x 256 (24 KB a stage); qkv, 96 of 64 x 128 (20 KB).
