@@ -16,18 +16,17 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:  # before the kernels import triton.jit
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import tinyserve.kernels.gemv as gemv_module  # noqa: E402
+import tinyserve.kernels.gemv_config as gemv_config  # noqa: E402
 from tinyserve.kernels._common import is_interpreter, next_pow2  # noqa: E402
 from tinyserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_ref,
     shared_prefix_rows,
 )
-from tinyserve.kernels.gemv import (  # noqa: E402
+from tinyserve.kernels.gemv import gemv, gemv_ref  # noqa: E402
+from tinyserve.kernels.gemv_config import (  # noqa: E402
     dot_config,
-    gemv,
     gemv_method,
-    gemv_ref,
     split_config,
     stream_config,
     stream_stages,
@@ -724,12 +723,12 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert stages == {(2, torch.bfloat16): 5, (32, torch.bfloat16): 5,
                       (2, torch.float32): 3, (32, torch.float32): 2}  # fmt: skip
     # A card with 99 KB of shared memory (consumer Ada): float32 at 32 rows halves BLOCK_K.
-    monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 101376)
+    monkeypatch.setattr(gemv_config, "shared_memory", lambda device: 101376)
     assert dot_config(32, 1024, 1024, torch.float32, h100) == (128, 64, 2)
     assert dot_config(2, 1024, 1024, torch.bfloat16, h100) == (128, 128, 2)
     # Split-K: 64 x 128 tiles; K split so the grid fills an H100's 132 SMs once, at most 4 ways.
-    monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 232448)
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemv_config, "shared_memory", lambda device: 232448)
+    monkeypatch.setattr(gemv_config, "num_sms", lambda device: 132)
     assert split_config(128, 4096, 11008, torch.bfloat16, h100) == (64, 128, 4, 2)
     assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 5, 4)
     assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 5, 4)
@@ -802,7 +801,7 @@ def test_stream_config_one_row_tiles(monkeypatch):
     """One row, H100 (132 SMs): the norm prologue takes K <= 1024 in one tile (fetched before
     the PDL wait); LM heads take 8 x 1024 tiles; a small N keeps 2 W rows a program, except
     under a prologue, where the down projection keeps its one 4 x 4096 tile."""
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemv_config, "num_sms", lambda device: 132)
     h100 = torch.device("cpu")
     assert stream_config(1, 6144, 1024, h100, prologue=1) == (8, 1024)  # Qwen3-0.6B gate_up
     assert stream_config(1, 3072, 2048, h100, prologue=1) == (8, 1024)  # Llama-3.2-1B: 2 tiles
@@ -816,7 +815,7 @@ def test_stream_config_two_row_tiles(monkeypatch):
     """Two rows keep one row's 4K products a step, or at K >= 4096 take 16 x 512 tiles (N <= K:
     MiMo-7B's attention out and eh_proj) or 4 x 256 (its qkv); more rows 8K; the gated prologue
     keeps its 8-row tiles."""
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemv_config, "num_sms", lambda device: 132)
     h100 = torch.device("cpu")
     assert stream_config(2, 4096, 4096, h100) == stream_config(2, 4096, 8192, h100) == (16, 512)
     assert stream_config(2, 6144, 4096, h100) == (4, 256)  # MiMo-7B's qkv
@@ -830,7 +829,7 @@ def test_stream_stages_pipeline_long_loops(monkeypatch):
     """A stream program pipelines its W tiles (3 in flight) once it loops over 16 or more:
     MiMo-7B / Llama-3.1-8B gate_up at one row (16 x 256 tiles over K = 4096), gated down at two
     (8 x 512 over 11,008); short loops (attention out at one row: 4 tiles) fetch one at a time."""
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemv_config, "num_sms", lambda device: 132)
     h100 = torch.device("cpu")
     assert stream_config(1, 22016, 4096, h100) == (16, 256)
     bf16 = 2
@@ -842,7 +841,7 @@ def test_stream_stages_pipeline_long_loops(monkeypatch):
     assert stream_stages(1, 8192, 4, 1024, bf16, h100) == 1  # 8 tiles
     assert stream_stages(2, 2048, 2, 1024, bf16, h100) == 1  # two rows, K < 4096
     # 3 float32 stages of 16 x 512 (141 KB) do not fit a 99 KB consumer card; bf16 (71 KB) do.
-    monkeypatch.setattr(gemv_module, "shared_memory", lambda device: 101376)
+    monkeypatch.setattr(gemv_config, "shared_memory", lambda device: 101376)
     assert stream_stages(2, 4096, 16, 512, 4, h100) == 1
     assert stream_stages(2, 4096, 16, 512, bf16, h100) == 3
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gemv import gemv, gemv_method
+from tinyserve.kernels.gemv import gemv
+from tinyserve.kernels.gemv_config import gemv_method
 
 # torch.mm(..., out_dtype=torch.float32) on CUDA: torch 2.8 and later (pyproject allows 2.4).
 _MM_FLOAT_OUT = torch.__version__ >= "2.8"

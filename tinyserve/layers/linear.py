@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gemv import gemv, gemv_method, norm_prologue_pays
+from tinyserve.kernels.gemv import gemv
+from tinyserve.kernels.gemv_config import gemv_method, norm_prologue_pays
 from tinyserve.layers.activation import silu_and_mul
 
 
