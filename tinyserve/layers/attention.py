@@ -20,6 +20,7 @@ from torch import nn
 from tinyserve.kernels.decode_attention import MAX_TILE_ROWS, decode_attention
 from tinyserve.kernels.prefill_attention import prefill_attention
 from tinyserve.kernels.rope_store_kv import rope_store_kv
+from tinyserve.layers import cascade
 
 
 @dataclass(slots=True)
@@ -49,8 +50,12 @@ class AttentionMetadata:
     # padded length]), so neither kernel's grid depends on the other's rows.
     chunk: tuple[int, torch.Tensor] | None = None
     decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU path, set lazily
+    # CPU decode path, set lazily (layers/cascade.py): rows grouped by the KV blocks they
+    # share, and the gather of each row's own keys after them.
+    shared_groups: list | None = None
+    decode_cascade: tuple | None = None
     # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
-    # cascade path (kernels/decode_attention.py); the torch path attends row by row anyway.
+    # cascade path (kernels/decode_attention.py); the CPU path plans its own (`shared_groups`).
     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -194,9 +199,11 @@ class Attention(nn.Module):
             return causal_attention(q, k, v, self.scale)
         md = _current_metadata()
         store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        if md.is_decode_only:
-            return decode_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
-        return prefill_attention_ref(q, self.k_cache, self.v_cache, md, self.scale)
+        args = (q, self.k_cache, self.v_cache, md, self.scale)
+        if md.is_decode_only:  # rows sharing KV blocks: cascade; else the reference
+            out = cascade.decode(*args)
+            return decode_attention_ref(*args) if out is None else out
+        return prefill_attention_ref(*args)
 
     def _forward_triton(self, qkv, rope, q_norm, k_norm) -> torch.Tensor:
         md = _current_metadata()
