@@ -31,9 +31,9 @@ def shared_groups(md, block_size: int) -> list[tuple[list[int], torch.Tensor]]:
     if len(md.context_lens_cpu) != len(md.query_lens_cpu):
         return md.shared_groups  # no host lengths (MTP drafting chains): the reference
     cached = [c - q for q, c in zip(md.query_lens_cpu, md.context_lens_cpu, strict=True)]
-    for i, n in enumerate(cached):
+    for i, (n, head) in enumerate(zip(cached, tables[:, 0].tolist(), strict=True)):
         if n >= block_size:
-            by_head.setdefault(int(tables[i, 0]), []).append(i)
+            by_head.setdefault(head, []).append(i)
     for rows in (rows for rows in by_head.values() if len(rows) > 1):
         t = tables[rows, : min(cached[i] for i in rows) // block_size]
         n = int((t == t[0]).all(0).long().cumprod(0).sum())  # leading blocks all rows share
