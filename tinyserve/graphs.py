@@ -31,6 +31,7 @@ import torch
 from tinyserve.kernels import decode_attention
 from tinyserve.kernels.prefill_attention import prefill_num_splits
 from tinyserve.layers.attention import AttentionMetadata, forward_context
+from tinyserve.layers.cascade import plan_shared_prefixes
 from tinyserve.sampling import greedy
 from tinyserve.transfer import host_array
 
@@ -129,53 +130,6 @@ def _full_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_le
 
 
 SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
-
-
-def plan_shared_prefixes(tables: np.ndarray, ctx: np.ndarray, block_size: int,
-                         rows_per_chunk: int, max_chunks: int, min_tokens: int = 128
-                         ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
-    """Cascade plan of a decode step. Rows whose first ceil(min_tokens / block_size) physical
-    blocks are the same form a group (so a header common to every prompt, such as a chat
-    template's, does not merge groups that share far more); its shared length is the fewest
-    leading blocks any member has in common with the group's first row (its leader), never the
-    block this step writes. Returns (chunks (C, 1 + R): leader row then up to R =
-    rows_per_chunk members, -1 padded, C <= max_chunks; shared tokens per row (B,)), both int32,
-    or None where sharing would skip less than an eighth of the step's KV reads."""
-    b, width = tables.shape
-    need = max(1, -(-min_tokens // block_size))  # blocks every member shares at least
-    full = np.minimum((ctx - 1) // block_size, width)  # blocks before the one written now
-    cand = np.flatnonzero(full >= need)
-    if len(cand) < 2:
-        return None
-    _, group, counts = np.unique(tables[cand, :need], axis=0, return_inverse=True,
-                                 return_counts=True)  # fmt: skip
-    if counts.max() < 2:
-        return None  # nothing shared (the common case without prefix-cache hits)
-    order = np.argsort(group.reshape(-1), kind="stable")
-    rows, first = cand[order], group.reshape(-1)[order]
-    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
-    sizes = np.diff(np.r_[starts, len(rows)])
-    leaders = rows[np.repeat(starts, sizes)]  # per sorted row: its group's leader
-    same = np.logical_and.accumulate(tables[rows] == tables[leaders], axis=1)
-    common = np.minimum(same.sum(1), np.minimum(full[rows], full[leaders]))
-    shared = np.minimum.reduceat(common, starts)  # blocks, per group (>= need)
-    keep = sizes >= 2
-    saved = int(((sizes - 1) * shared)[keep].sum()) * block_size
-    if 8 * saved < int(ctx.sum()):
-        return None
-    lens = np.zeros(b, dtype=np.int32)
-    chunks = []
-    for g in np.flatnonzero(keep):
-        members = rows[starts[g] : starts[g] + sizes[g]]
-        if len(chunks) + -(-len(members) // rows_per_chunk) > max_chunks:
-            continue  # no room: these rows attend their whole context themselves
-        lens[members] = shared[g] * block_size
-        for i in range(0, len(members), rows_per_chunk):
-            part = members[i : i + rows_per_chunk]
-            chunks.append([members[0], *part] + [-1] * (rows_per_chunk - len(part)))
-    if not chunks:
-        return None
-    return np.array(chunks, dtype=np.int32), lens
 
 
 def prefill_graph_lengths(max_num_batched_tokens: int) -> list[int]:

@@ -118,11 +118,9 @@ def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor
     if md.decode_gather is None:
         # max_context_len 0: unknown (a CUDA-graph-style replay), so the whole table width.
         num_blocks = -(-md.max_context_len // block_size) or md.block_tables.shape[1]
-        pos = torch.arange(num_blocks * block_size, device=md.block_tables.device)  # (L,)
-        valid = pos[None, :] < md.context_lens[:, None]  # (B, L)
-        pos = torch.where(valid, pos[None, :], 0)
-        blocks = md.block_tables.long().gather(1, pos // block_size)
-        slots = (blocks * block_size + pos % block_size).flatten()
+        first = torch.zeros_like(md.context_lens, dtype=torch.long)
+        slots, valid = cascade.paged_slots(md.block_tables, first, md.context_lens,
+                                           num_blocks * block_size, block_size)  # fmt: skip
         md.decode_gather = (slots, valid[:, None, None, :])
     return md.decode_gather
 

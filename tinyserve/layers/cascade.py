@@ -1,4 +1,5 @@
-"""Cascade attention for the CPU path's decode steps: rows whose block tables start with the
+"""Cascade attention: the plan both paths share (`plan_shared_prefixes`: the GPU decode kernel's
+chunks, graphs.py) and the CPU path's decode steps, where rows whose block tables start with the
 same KV blocks (prefix-cache hits of one prompt head) attend those shared keys once per group,
 each row attends the rest of its own keys, and the two parts merge by their log-sum-exps, as
 the GPU decode kernel's shared-prefix path does. The result is `attention.decode_attention_ref`'s
@@ -13,6 +14,7 @@ session)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # SDPA's fused CPU kernel, which also returns each query row's log-sum-exp (natural log, of
@@ -20,26 +22,70 @@ import torch
 _sdpa_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def plan_shared_prefixes(tables: np.ndarray, ctx: np.ndarray, block_size: int,
+                         rows_per_chunk: int, max_chunks: int, min_tokens: int = 128
+                         ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """Cascade plan of a decode step. Rows whose first ceil(min_tokens / block_size) physical
+    blocks are the same form a group (so a header common to every prompt, such as a chat
+    template's, does not merge groups that share far more); its shared length is the fewest
+    leading blocks any member has in common with the group's first row (its leader), never the
+    block this step writes. Returns (chunks (C, 1 + R): leader row then up to R =
+    rows_per_chunk members, -1 padded, C <= max_chunks; shared tokens per row (B,)), both int32,
+    or None where sharing would skip less than an eighth of the step's KV reads."""
+    b, width = tables.shape
+    need = max(1, -(-min_tokens // block_size))  # blocks every member shares at least
+    full = np.minimum((ctx - 1) // block_size, width)  # blocks before the one written now
+    cand = np.flatnonzero(full >= need)
+    if len(cand) < 2:
+        return None
+    _, group, counts = np.unique(tables[cand, :need], axis=0, return_inverse=True,
+                                 return_counts=True)  # fmt: skip
+    if counts.max() < 2:
+        return None  # nothing shared (the common case without prefix-cache hits)
+    order = np.argsort(group.reshape(-1), kind="stable")
+    rows, first = cand[order], group.reshape(-1)[order]
+    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
+    sizes = np.diff(np.r_[starts, len(rows)])
+    leaders = rows[np.repeat(starts, sizes)]  # per sorted row: its group's leader
+    same = np.logical_and.accumulate(tables[rows] == tables[leaders], axis=1)
+    common = np.minimum(same.sum(1), np.minimum(full[rows], full[leaders]))
+    shared = np.minimum.reduceat(common, starts)  # blocks, per group (>= need)
+    keep = sizes >= 2
+    saved = int(((sizes - 1) * shared)[keep].sum()) * block_size
+    if 8 * saved < int(ctx.sum()):
+        return None
+    lens = np.zeros(b, dtype=np.int32)
+    chunks = []
+    for g in np.flatnonzero(keep):
+        members = rows[starts[g] : starts[g] + sizes[g]]
+        if len(chunks) + -(-len(members) // rows_per_chunk) > max_chunks:
+            continue  # no room: these rows attend their whole context themselves
+        lens[members] = shared[g] * block_size
+        for i in range(0, len(members), rows_per_chunk):
+            part = members[i : i + rows_per_chunk]
+            chunks.append([members[0], *part] + [-1] * (rows_per_chunk - len(part)))
+    if not chunks:
+        return None
+    return np.array(chunks, dtype=np.int32), lens
+
+
 def shared_groups(md, block_size: int) -> list[tuple[list[int], torch.Tensor]]:
-    """Groups of two or more sequences whose tables start with the same blocks: (sequence
-    indices, the shared blocks' cache slots). A shared block ends before each sequence's first
-    query position, so every query sees all of it and every sequence keeps keys of its own
-    (its newest token's block is never shared). Computed by the first layer, kept in md."""
-    if md.shared_groups is not None:
-        return md.shared_groups
-    tables, by_head, md.shared_groups = md.block_tables, {}, []
-    if len(md.context_lens_cpu) != len(md.query_lens_cpu):
-        return md.shared_groups  # no host lengths (MTP drafting chains): the reference
-    cached = [c - q for q, c in zip(md.query_lens_cpu, md.context_lens_cpu, strict=True)]
-    for i, (n, head) in enumerate(zip(cached, tables[:, 0].tolist(), strict=True)):
-        if n >= block_size:
-            by_head.setdefault(head, []).append(i)
-    for rows in (rows for rows in by_head.values() if len(rows) > 1):
-        t = tables[rows, : min(cached[i] for i in rows) // block_size]
-        n = int((t == t[0]).all(0).long().cumprod(0).sum())  # leading blocks all rows share
-        pos = torch.arange(n * block_size)
-        slots = tables[rows[0], pos // block_size].long() * block_size + pos % block_size
-        md.shared_groups.append((rows, slots))
+    """The decode step's cascade plan (`plan_shared_prefixes`, the GPU kernel's, grouping by a
+    first shared block, one chunk a group) as (rows, the shared blocks' cache slots) per group.
+    Computed by the first layer, kept in md; [] without host context lengths (MTP drafting
+    chains) or where sharing saves too little."""
+    if md.shared_groups is None:
+        md.shared_groups, tables, ctx = [], md.block_tables, md.context_lens_cpu
+        batch = tables.shape[0]
+        plan = None
+        if len(ctx) == batch:
+            plan = plan_shared_prefixes(tables.numpy(), np.array(ctx), block_size, batch, batch,
+                                        min_tokens=block_size)  # fmt: skip
+        for chunk in plan[0] if plan is not None else ():
+            rows = [int(r) for r in chunk[1:] if r >= 0]
+            pos = torch.arange(int(plan[1][rows[0]]))
+            slots = tables[rows[0], pos // block_size].long() * block_size + pos % block_size
+            md.shared_groups.append((rows, slots))
     return md.shared_groups
 
 
@@ -52,10 +98,10 @@ def decode(q, k_cache, v_cache, md, scale: float) -> torch.Tensor | None:
     hkv = k_cache.shape[2]
     q = q.view(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): G query "tokens"
     out, lse = _shared_parts(q, k_cache, v_cache, groups, scale)
-    slots, mask = _own_keys(md, k_cache.shape[1], groups)
+    slots, mask = _own_keys(md, k_cache.shape[1], groups, q.dtype)
     k, v = (c.view(-1, hkv, head_dim).index_select(0, slots).view(batch, -1, hkv, head_dim)
             .transpose(1, 2) for c in (k_cache, v_cache))  # fmt: skip
-    o, lo = _sdpa_lse(q, k, v, attn_mask=mask.to(q.dtype), scale=scale)[:2]
+    o, lo = _sdpa_lse(q, k, v, attn_mask=mask, scale=scale)[:2]
     top = torch.maximum(lse, lo)  # the two softmax-normalized parts, weighted by their sums
     w_shared, w_own = torch.exp(lse - top)[..., None], torch.exp(lo - top)[..., None]
     out = (out * w_shared + o.float() * w_own) / (w_shared + w_own)
@@ -78,18 +124,27 @@ def _shared_parts(q, k_cache, v_cache, groups, scale: float):
     return out, lse
 
 
-def _own_keys(md, block_size: int, groups) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_keys(md, block_size: int, groups, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's own keys after each row's shared ones: flat slots (B*L,) and an additive
-    mask (B, 1, 1, L) of 0 / -inf; padding reads the row's first own key (written, finite)."""
+    mask (B, 1, 1, L) of 0 / -inf in q's dtype."""
     if md.decode_cascade is None:
         ctx = torch.tensor(md.context_lens_cpu)
         first = torch.zeros(len(ctx), dtype=torch.long)
         for rows, slots in groups:
             first[rows] = len(slots)
-        pos = first[:, None] + torch.arange(int((ctx - first).max()))[None, :]  # (B, L)
-        valid = pos < ctx[:, None]
-        pos = torch.where(valid, pos, first[:, None])
-        slots = md.block_tables.long().gather(1, pos // block_size) * block_size
-        mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
-        md.decode_cascade = ((slots + pos % block_size).flatten(), mask[:, None, None, :])
+        slots, valid = paged_slots(md.block_tables, first, ctx, int((ctx - first).max()),
+                                   block_size)  # fmt: skip
+        mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
+        md.decode_cascade = (slots, mask[:, None, None, :])
     return md.decode_cascade
+
+
+def paged_slots(tables, first, ctx, length: int, block_size: int):
+    """Flat cache slots (B*L,) of each row's keys first .. first + L - 1 through its block table,
+    and which are valid (B, L): before ctx. Invalid ones read the row's key `first` (written, so
+    finite: never-written memory may hold NaN, and 0 * NaN would poison the sum)."""
+    pos = first[:, None] + torch.arange(length, device=tables.device)[None, :]  # (B, L)
+    valid = pos < ctx[:, None]
+    pos = torch.where(valid, pos, first[:, None])
+    slots = tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+    return slots.flatten(), valid
