@@ -129,18 +129,23 @@ def _gemv_stream_kernel(
 
 @triton.jit
 def _gemv_dot_kernel(
-    x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, K_PER_SPLIT, ROWS, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    MASK_ROWS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """SPLIT: program (i, s) sums K range s (K_PER_SPLIT wide, whole tiles) into float32
-    partials y[s] (M x N each, stride_ym); `_split_reduce_kernel` adds them up."""
+    """Program i takes W rows [i ROWS, (i + 1) ROWS); MASK_ROWS: fewer than BLOCK_N, the rest of
+    the tile masked off (never fetched). SPLIT: program (i, s) sums K range s (K_PER_SPLIT wide,
+    whole tiles) into float32 partials y[s] (M x N each, stride_ym); `_split_reduce_kernel` adds
+    them up."""
     pdl_sync(USE_PDL)
     m = tl.arange(0, BLOCK_M)  # x padded to a tensor-core tile (16 rows at least)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = tl.program_id(0) * ROWS
+    n = lo + tl.arange(0, BLOCK_N)
+    end = tl.minimum(lo + ROWS, N)
     m_c = tl.minimum(m, M - 1)
-    n_c = tl.minimum(n, N - 1).to(tl.int64)
+    n_c = tl.minimum(n, end - 1).to(tl.int64)  # a partial last tile re-reads its last row
+    w_rows = (n < end)[:, None]  # all true unless MASK_ROWS
     kk = tl.arange(0, BLOCK_K)
     k_lo = 0
     k_hi = K
@@ -153,11 +158,15 @@ def _gemv_dot_kernel(
         k = k0 + kk
         w_ptrs = w_ptr + n_c[:, None] * stride_wn + k[None, :]
         x_ptrs = x_ptr + m_c[:, None] * stride_xm + k[None, :]
-        if EVEN_K:
+        if MASK_ROWS:
+            w = tl.load(w_ptrs, mask=w_rows & (k[None, :] < K), other=0.0)
+        elif EVEN_K:
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
         else:
             w = tl.load(w_ptrs, mask=k[None, :] < K, other=0.0)
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
             x = tl.load(x_ptrs, mask=k[None, :] < K, other=0.0)
         if UPCAST:
             w = w.to(tl.float32)
@@ -166,7 +175,7 @@ def _gemv_dot_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + n_c).to(tl.float32)[:, None]
     y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < end) & (m[None, :] < M))
 
 
 @triton.jit
@@ -201,7 +210,8 @@ def gemv(
     method: str | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    rows: int | None = None,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -213,8 +223,9 @@ def gemv(
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
     `norm=(norm_weight (K,), eps)` multiplies RMSNorm(x + residual) instead of x and writes
     x + residual to `residual_out` (must not alias x or residual); `gated=True` takes x as
-    [gate | up] (M, 2K) and multiplies silu(gate) * up. `block_n`, `block_k`, `num_warps`,
-    `num_stages`, `num_splits` (split only) override the tuned configuration."""
+    [gate | up] (M, 2K) and multiplies silu(gate) * up. `block_n`, `block_k`, `rows` (dot only: W
+    rows a program takes, at most block_n), `num_warps`, `num_stages`, `num_splits` (split only)
+    override the tuned configuration."""
     check(x.dim() == 2 and weight.dim() == 2, "x must be (M, K), W (N, K)")
     (m, kx), (n, k) = x.shape, weight.shape
     check(kx == (2 * k if gated else k), f"x has {kx} columns, W {k}" + (" (x2: gated)" * gated))
@@ -267,17 +278,21 @@ def gemv(
             norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None, LOOP_STAGES=stages, num_warps=num_warps, **pdl(x.device),
+            HAS_BIAS=bias is not None, LOOP_STAGES=stages, num_warps=num_warps or 4,
+            **pdl(x.device),
         )  # fmt: skip
     elif method == "dot":
-        cfg_n, cfg_k, cfg_stages = dot_config(m, n, k, x.dtype, x.device)
-        block_n, block_k = block_n or cfg_n, block_k or cfg_k
-        _gemv_dot_kernel[(triton.cdiv(n, block_n), 1)](
-            x, weight, out, bias if bias is not None else x, m, n, k, k, x.stride(0),
+        cfg = dot_config(m, n, k, x.dtype, x.device)
+        block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
+        rows = rows or min(cfg.rows, block_n)
+        check(1 <= rows <= block_n, f"rows must be 1..{block_n}, got {rows}")
+        _gemv_dot_kernel[(triton.cdiv(n, rows), 1)](
+            x, weight, out, bias if bias is not None else x, m, n, k, k, rows, x.stride(0),
             weight.stride(0), out.stride(0), BLOCK_M=max(16, next_pow2(m)),
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SPLIT=False,
-            HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
-            num_warps=num_warps, num_stages=num_stages or cfg_stages, **pdl(x.device),
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, MASK_ROWS=rows < block_n,
+            SPLIT=False, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
+            UPCAST=is_interpreter(), num_warps=num_warps or cfg.warps,
+            num_stages=num_stages or cfg.stages, **pdl(x.device),
         )  # fmt: skip
     else:
         cfg_n, cfg_k, cfg_stages, splits = split_config(m, n, k, x.dtype, x.device)
@@ -287,11 +302,11 @@ def gemv(
         splits = triton.cdiv(k, per_split)
         partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         _gemv_dot_kernel[(triton.cdiv(n, block_n), splits)](
-            x, weight, partials, x, m, n, k, per_split, x.stride(0), weight.stride(0), n,
+            x, weight, partials, x, m, n, k, per_split, block_n, x.stride(0), weight.stride(0), n,
             BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, SPLIT=True, HAS_BIAS=False,
+            EVEN_K=k % block_k == 0, MASK_ROWS=False, SPLIT=True, HAS_BIAS=False,
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
-            num_warps=num_warps, num_stages=num_stages or cfg_stages, **pdl(x.device),
+            num_warps=num_warps or 4, num_stages=num_stages or cfg_stages, **pdl(x.device),
         )  # fmt: skip
         block = min(1024, next_pow2(n))
         _split_reduce_kernel[(m, triton.cdiv(n, block))](

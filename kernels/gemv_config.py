@@ -6,6 +6,8 @@ an H100 or H200 (bf16, CUDA-graph replays); each says where its numbers are (BEN
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -70,26 +72,54 @@ def stream_stages(m: int, k: int, block_n: int, block_k: int, itemsize: int,
     return 3 if long_loop and tiles <= shared_memory(device) else 1
 
 
-def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
-               ) -> tuple[int, int, int]:  # fmt: skip
-    """(BLOCK_N, BLOCK_K, stages): the widest W tile that still gives every other SM a program (128
-    x 128, 64 x 128 or 32 x 256), as many stages in flight as shared memory holds, up to 5 (or more,
-    so that a program holds an SM alone: `_fit_pipeline`). H100, bf16, M = 2..16, against the old ~2
-    programs per SM and 4 stages: MiMo-7B qkv 35.3 -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads
-    0.5-1% faster; a deep pipeline over few programs streams W faster than many shallow ones
-    (`scratch` sweeps in BENCHMARKS.md)."""
+class DotTiles(NamedTuple):
+    block_n: int
+    block_k: int
+    stages: int
+    rows: int  # W rows a program takes: block_n, or fewer (the rest of its tile masked off)
+    warps: int
+
+
+def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> DotTiles:
+    """The widest W tile that still gives every other SM a program (128 x 128, 64 x 128 or 32 x
+    256), as many stages in flight as shared memory holds, up to 5 (or more, so that a program
+    holds an SM alone: `_fit_pipeline`). H100, bf16, M = 2..16, against the old ~2 programs per SM
+    and 4 stages: MiMo-7B qkv 35.3 -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads 0.5-1% faster; a
+    deep pipeline over few programs streams W faster than many shallow ones (`scratch` sweeps in
+    BENCHMARKS.md). Wide W whose 128-row tiles leave the last wave on few SMs: `_balanced`."""
     sms, block_n = num_sms(device), 128
+    fill = _last_wave_fill(n, 128, sms)
+    if m <= MAX_ROWS and WIDE_N <= n < HEAD_N and n <= 256 * sms and fill < 0.8:
+        return _balanced(m, n, dtype, device)
     while block_n > 32 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
-    if m > 8 and block_n == 128 and _last_wave_fill(n, 64, sms) > _last_wave_fill(n, 128, sms):
+    if m > 8 and block_n == 128 and _last_wave_fill(n, 64, sms) > fill:
         # A 128-wide program holds an SM alone, so a last wave on few SMs streams its W slowly.
-        # H200, MiMo-7B gate_up (172 programs of 128: the second wave on 40 SMs), steady decode
-        # steps: batch 64 5.31 -> 5.14 ms (twenty-eighth session); batch 16 4.37 -> 4.31, 32
-        # 4.43 -> 4.35, MTP verify at 16 / 32 rows 4.51 -> 4.44, 4.78 -> 4.70. At 2-4 rows it
-        # lost (plain batch 2 4.09 -> 4.14 ms), at 8 it tied (thirty-first session).
+        # H200, MiMo-7B gate_up at 64 rows (172 programs of 128, the second wave on 40 SMs):
+        # steady decode steps at batch 64 5.31 -> 5.14 ms (twenty-eighth session); balanced
+        # rows there measured 5.00 -> 5.05-5.06 ms (thirty-second session).
         block_n = 64
     block_k = 256 if block_n == 32 else 128
-    return block_n, *_fit_pipeline(m, block_n, block_k, dtype, device, max_stages=5)
+    block_k, stages = _fit_pipeline(m, block_n, block_k, dtype, device, max_stages=5)
+    return DotTiles(block_n, block_k, stages, block_n, 4)
+
+
+def _balanced(m: int, n: int, dtype: torch.dtype, device: torch.device) -> DotTiles:
+    """Two programs an SM, one wave, each over an equal run of W rows (cdiv(N, 2 x SMs), its tile
+    padded to a power of two with masked rows, which are never fetched), 64-wide K steps, as
+    many stages as two programs' share of shared memory holds (at most 5), 8 warps. A 128-row
+    tile gives MiMo-7B's gate_up (N = 22,016) 172 programs: a second wave on 40 SMs. H200, us a
+    call (CUDA graphs, W rotated out of L2), against the 128-row tile (64-row from 9 rows):
+    2 rows 46.2 -> 44.3, 3 46.8 -> 44.0, 4 46.4 -> 44.3, 8 46.4 -> 44.7, 16 45.5 -> 45.2, 32
+    46.9 -> 45.9; with 4 warps or 4 stages it lost 0-5 us. Steady MiMo-7B steps: MTP k=1 batch
+    1 4.345 -> 4.28 ms, plain batch 2 4.125 -> 4.05, 32 4.40 -> 4.37; at 64 rows it won alone
+    (49.5 -> 47.9 us) but lost in the step (BENCHMARKS.md, thirty-second session), hence up to
+    MAX_ROWS. Llama-3.1-8B's 28,672 (224 programs of 128) gained at most 1.4 us alone, so only a
+    last wave under 80% full takes this. At most 128 rows a program (N <= 256 x SMs)."""
+    rows = triton.cdiv(n, 2 * num_sms(device))
+    block_n, block_k = max(16, next_pow2(rows)), 64
+    stage = (block_n + max(16, next_pow2(m))) * block_k * dtype.itemsize
+    return DotTiles(block_n, block_k, max(2, min(5, shared_memory(device) // 2 // stage)), rows, 8)
 
 
 def _last_wave_fill(n: int, block_n: int, sms: int) -> float:

@@ -658,15 +658,17 @@ def test_gemv(dtype, m, method, out_dtype, k):
     assert_rel(out, gemv_ref(x.double(), w.double()), out_dtype or dtype)
 
 
-def test_gemv_many_rows_takes_64_wide_tiles_where_they_fill_the_last_wave():
-    """At 9-64 rows on the interpreter's 4 SMs, 640 rows of W make 5 programs of 128 (a second
-    wave on one SM) or 10 of 64 (3 waves, 10 of 12 slots): the 64-wide tile, still exact."""
-    m, n, k = 48, 640, 100
-    if DEVICE == "cpu":  # a GPU's SMs make these programs too few for 64: its tile is 32
-        assert dot_config(m, n, k, torch.float32, torch.device(DEVICE))[0] == 64
+@pytest.mark.parametrize(("n", "k"), [(100, 128), (90, 100)])
+@pytest.mark.parametrize("m", [2, 20])
+def test_gemv_balanced_rows(m, n, k):
+    """The dot kernel over runs of 20 W rows in 32-row tiles (12 masked off): every run, the last
+    one short at N = 90, K in whole or partial tiles; nothing written past a run's end."""
     x, w = randn(m, k, dtype=torch.float32), randn(n, k, dtype=torch.float32)
-    out = gemv(x, w, method="dot")
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
+    assert gemv(x, w, out, method="dot", block_n=32, block_k=64, rows=20) is out
     assert_rel(out, gemv_ref(x.double(), w.double()), torch.float32)
+    with pytest.raises(ValueError, match="rows must be 1..32"):
+        gemv(x, w, method="dot", block_n=32, rows=33)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -724,8 +726,8 @@ def test_gemv_method_and_dot_config(monkeypatch):
                       (2, torch.float32): 3, (32, torch.float32): 2}  # fmt: skip
     # A card with 99 KB of shared memory (consumer Ada): float32 at 32 rows halves BLOCK_K.
     monkeypatch.setattr(gemv_config, "shared_memory", lambda device: 101376)
-    assert dot_config(32, 1024, 1024, torch.float32, h100) == (128, 64, 2)
-    assert dot_config(2, 1024, 1024, torch.bfloat16, h100) == (128, 128, 2)
+    assert dot_config(32, 1024, 1024, torch.float32, h100)[:3] == (128, 64, 2)
+    assert dot_config(2, 1024, 1024, torch.bfloat16, h100)[:3] == (128, 128, 2)
     # Split-K: 64 x 128 tiles; K split so the grid fills an H100's 132 SMs once, at most 4 ways.
     monkeypatch.setattr(gemv_config, "shared_memory", lambda device: 232448)
     monkeypatch.setattr(gemv_config, "num_sms", lambda device: 132)
@@ -733,19 +735,21 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert split_config(64, 2048, 8192, torch.bfloat16, h100) == (64, 128, 5, 4)
     assert split_config(64, 1024, 3072, torch.bfloat16, h100) == (64, 128, 5, 4)
     assert split_config(64, 8192, 28672, torch.bfloat16, h100)[3] == 1
-    # 9-64 rows: 64-wide tiles where they fill the last wave better. MiMo's gate_up: 172
-    # programs of 128 (a second wave on 40 SMs) against 344 of 64.
-    assert dot_config(64, 22016, 4096, torch.bfloat16, h100) == (64, 128, 5)
-    assert dot_config(64, 28672, 4096, torch.bfloat16, h100) == (128, 128, 4)  # a tie: wider
-    assert dot_config(64, 151936, 1024, torch.bfloat16, h100)[0] == 128
-    assert dot_config(16, 22016, 4096, torch.bfloat16, h100)[0] == 64  # from 9 rows
-    assert dot_config(8, 22016, 4096, torch.bfloat16, h100)[0] == 128
+    # Up to 32 rows, wide W whose 128-row tiles leave the last wave under 80% full: two programs
+    # an SM, 84 rows each in 128-row tiles (MiMo's gate_up: 172 programs of 128, a second wave on
+    # 40 SMs). At 33-64 rows, 64-wide tiles where they fill the last wave better (344 of 64).
+    assert dot_config(2, 22016, 4096, torch.bfloat16, h100) == (128, 64, 5, 84, 8)
+    assert dot_config(32, 22016, 4096, torch.bfloat16, h100) == (128, 64, 5, 84, 8)
+    assert dot_config(16, 28672, 4096, torch.bfloat16, h100)[3] == 128  # 85% full
+    assert dot_config(64, 22016, 4096, torch.bfloat16, h100) == (64, 128, 5, 64, 4)
+    assert dot_config(64, 28672, 4096, torch.bfloat16, h100) == (128, 128, 4, 128, 4)  # a tie
+    assert dot_config(64, 151936, 1024, torch.bfloat16, h100)[:4] == (128, 128, 4, 128)  # a head
     # Programs that would fit two to an SM hold more stages, so that one holds it alone (less
     # one stage: Triton's mma v2 pipeline keeps stages - 1 tiles): MiMo's attention out and
     # down at 16 rows, 128 programs of 32 x 256 (24 KB a stage); qkv, 96 of 64 x 128 (20 KB).
     for n, k, tile in ((4096, 4096, (32, 256, 6)), (4096, 11008, (32, 256, 6)),
                        (6144, 4096, (64, 128, 7))):  # fmt: skip
-        assert dot_config(16, n, k, torch.bfloat16, h100) == tile
+        assert dot_config(16, n, k, torch.bfloat16, h100)[:3] == tile
         assert (tile[2] - 1) * (tile[0] + 16) * tile[1] * 2 > 232448 // 2
 
 
