@@ -150,6 +150,10 @@ def test_engine_config_defaults():
     assert config.model is None  # the engine resolves the default model
     assert config.device in ("cpu", "cuda")
     assert EngineConfig(device="cpu", dtype="bfloat16", max_model_len=128).device == "cpu"
+    # The overlapped loop: on with CUDA, off on the CPU (nothing to overlap there), as asked.
+    assert EngineConfig(device="cuda").async_scheduling is True
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
 
 
 @pytest.mark.parametrize(

@@ -208,3 +208,15 @@ def test_start_up_compiles_every_race_kernel_variant(smollm2_llm, monkeypatch):
     smollm2_llm.engine.runner._compile_sampling()
     chunk_launches = {flags for flags in launched if flags != (None, None)}
     assert chunk_launches == {(False, False), (False, True), (True, True)}
+
+
+def test_cpu_step_hands_out_its_own_tokens(smollm2_llm):
+    """On the CPU the loop is synchronous by default: the step that computes a prompt returns
+    its first token (the overlapped loop would hand it out one step later, with nothing gained:
+    the CPU forward runs inside the launch)."""
+    engine = smollm2_llm.engine
+    engine.add_request("first", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    outs = engine.step()
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outs] == [("first", 1)]
+    while engine.has_unfinished():
+        engine.step()

@@ -28,8 +28,9 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(path, **kw):
+    """The overlapped loop unless a test says otherwise (on the CPU it is off by default)."""
     kw = dict(dtype="float32", device="cpu", load_format="dummy", seed=5, block_size=4,
-              num_kv_blocks=256) | kw  # fmt: skip
+              num_kv_blocks=256, async_scheduling=True) | kw  # fmt: skip
     return LLM(path, **kw)
 
 

@@ -39,7 +39,9 @@ def mimo_dir(tmp_path_factory):
 
 
 def make_llm(path, **kw):
-    kw = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, block_size=4) | kw
+    """The overlapped loop unless a test says otherwise (on the CPU it is off by default)."""
+    kw = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, block_size=4,
+              async_scheduling=True) | kw  # fmt: skip
     kw["num_kv_blocks"] = kw.get("num_kv_blocks") or 512  # not the 4 GiB CPU default per engine
     return LLM(path, **kw)
 

@@ -45,8 +45,9 @@ def engine_options(f):
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
                      show_default=True, help="Reuse the KV of committed prompt/answer prefixes."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
-        click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
-                     help="Overlap: launch step N+1 while step N's tokens are read back."),
+        click.option("--async-scheduling/--no-async-scheduling", default=None,
+                     help="Overlap: launch step N+1 while step N's tokens are read back "
+                          "(default: on with CUDA, off on the CPU)."),
         click.option("--speculative-method", type=click.Choice(["mtp", "ngram"]), default=None,
                      help="Speculative decoding: the checkpoint's MTP head, or prompt lookup."),
         click.option("--num-speculative-tokens", type=int, default=None,

@@ -212,7 +212,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (debugging, and the graphs-off test)
     # The overlapped step loop: step N+1 is launched before step N's tokens reach the host
     # (off, or automatically per step with speculation or penalties: one step at a time).
-    async_scheduling: bool = True
+    # None: on with CUDA; off on the CPU, where the forward runs inside the launch, so the
+    # overlap hides nothing and only hands each step's tokens out a step later.
+    async_scheduling: bool | None = None
     speculative_method: str | None = None  # None (off), "mtp" or "ngram"
     num_speculative_tokens: int | None = None  # k drafts per step; required with a method
     # MTP only: a file of the token ids the head drafts from (spec_decode.load_token_map).
@@ -280,9 +282,11 @@ class EngineConfig:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
             raise InvalidConfig("device", f"{self.device!r} is not a torch device") from e
+        if self.async_scheduling is None:
+            self.async_scheduling = device.type != "cpu"
 
 
 def _check_positive_int(name: str, value: Any) -> None:
