@@ -7,7 +7,7 @@ second pass merges them by log-sum-exp. Splits are cut per sequence in the kerne
 depends on shapes and the split count only (CUDA-graph safe). Under PDL, when the grid fits
 one wave (~2 programs an SM: batch 1's 8 kv heads x 32 splits), a program fetches its first
 tile of earlier keys before waiting on the kernel before (which writes q and this step's keys),
-so short splits (`graphs.decode_tiling`: 32-key tiles) are nearly free on a batch-1 step's
+so short splits (`graph_shapes.decode_tiling`: 32-key tiles) are nearly free on a batch-1 step's
 chain. A larger grid waits first: there the early fetch cost MiMo-7B's batch-64 step 2.6% (H200,
 5.39 vs 5.25 ms) and gave batch 1 1.4% (4.04 vs 4.10 ms). H100, bf16, batch 64 x 4k tokens,
 with the early fetch: 389 us, 93% of the measured copy bandwidth.
@@ -132,7 +132,7 @@ def _attend_split(
 
 # The split count is a runtime argument, never specialized on (Triton would compile a variant
 # for 1 and for multiples of 16): the count follows each step's context length
-# (graphs.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
+# (graph_shapes.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
 @triton.jit(do_not_specialize=["num_splits", "min_split_len"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, skip_ptr, out_ptr, part_ptr, lse_ptr,
@@ -159,7 +159,7 @@ def _decode_kernel(
         skip = tl.load(skip_ptr + b)
     # Each split gets whole tiles, so only a split's last tile is partial. A floor on its length
     # (a multiple of BLOCK_N) leaves a short row's later splits empty where a long row beside it
-    # needs many (graphs.decode_tiling).
+    # needs many (graph_shapes.decode_tiling).
     split_len = tl.cdiv(tl.cdiv(context_len - skip, num_splits), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, min_split_len)
     start = skip + split * split_len

@@ -469,7 +469,7 @@ def _layer_forward_recording_decode(monkeypatch, md, positions, k_cache, v_cache
 
 
 def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
-    """A decode step's split count, key tile and split floor (graphs.decode_num_splits and
+    """A decode step's split count, key tile and split floor (graph_shapes.decode_num_splits and
     decode_tiling, in the metadata) reach the Triton decode kernel through the layer, with the
     oracle's output."""
 
@@ -495,7 +495,7 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
     )
     out, qkv, calls = _layer_forward_recording_decode(monkeypatch, md, last, k_cache, v_cache)
     assert [(c["num_splits"], c["block_n"]) for c in calls] == [(4, 32)]
-    assert calls[0]["min_split_len"] == 64  # graphs.decode_tiling's floor, too
+    assert calls[0]["min_split_len"] == 64  # graph_shapes.decode_tiling's floor, too
     q = qkv[:, : 8 * 64].view(2, 8, 64)  # rotated in place by the layer
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.1), F32)
 

@@ -223,7 +223,7 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
 
 
 def test_a_step_s_rows_round_up_to_the_next_graph_size():
-    from tinyserve.graphs import graph_batch_sizes, mixed_batch_sizes, padded_size, round_up
+    from tinyserve.graph_shapes import graph_batch_sizes, mixed_batch_sizes, padded_size, round_up
 
     assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
     assert [padded_size(n, 40) for n in (1, 3, 9, 17, 33, 40)] == [1, 4, 16, 32, 40, 40]
@@ -240,8 +240,8 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     tile, GPU-filling and long ones the default."""
     from tinyserve.kernels import decode_attention
 
-    from tinyserve import graphs
-    from tinyserve.graphs import (
+    from tinyserve import graph_shapes
+    from tinyserve.graph_shapes import (
         KEYS_PER_SPLIT,
         LONG_MIN_SPLIT,
         LONG_SPLIT_KEYS,
@@ -252,7 +252,7 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     )
 
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
-    graphs._full_num_splits.cache_clear()  # computed with the real SM count elsewhere
+    graph_shapes._full_num_splits.cache_clear()  # computed with the real SM count elsewhere
     cuda = torch.device("cuda")
 
     def splits(batch, ctx):
@@ -278,7 +278,7 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     assert decode_tiling(1, 256, 8, 40960, cuda, 32)[1] == 0  # batch 1's GPU-filling count
     assert decode_num_splits(1, 256, 8, 40960, torch.device("cpu"), 4096) == 1
     assert decode_tiling(1, 256, 8, 40960, torch.device("cpu"), 4) == (None, 0)
-    graphs._full_num_splits.cache_clear()
+    graph_shapes._full_num_splits.cache_clear()
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])
@@ -338,10 +338,10 @@ def test_mixed_graphs_take_a_long_decode_row_s_split_count(model_dir, monkeypatc
     a stand-in: 4 splits past 100 keys, since the CPU has none) decodes while another prompt is
     chunked: those mixed steps replay the graphs of that count, the others the GPU-filling one,
     with the eager steps' outputs."""
-    from tinyserve import graphs
+    from tinyserve import graph_shapes
 
     monkeypatch.setattr(
-        graphs,
+        graph_shapes,
         "decode_num_splits",
         lambda n, m, h, length, dev, ctx=None: 4 if ctx and ctx > 100 else 1,
     )

@@ -172,7 +172,7 @@ class ModelRunner:
     def max_graph_chunk(self) -> int:
         """The longest prompt chunk with graphs (0: none; not with MTP, whose drafting reads
         every row's inputs)."""
-        from tinyserve.graphs import prefill_graph_lengths
+        from tinyserve.graph_shapes import prefill_graph_lengths
 
         lengths = prefill_graph_lengths(self.config.max_num_batched_tokens)
         return 0 if self.mtp is not None or not lengths else lengths[-1]
@@ -182,7 +182,8 @@ class ModelRunner:
         prompt chunked while others decode). Launched kernel by kernel such a forward is
         host-bound: H100, 32 tokens alone: qwen3-0.6b 15-21 ms to the first token, for ~1.2 ms
         of GPU work; 64 decode rows beside a 448-token chunk: ~20 ms a step."""
-        from tinyserve.graphs import DecodeGraphs, prefill_graph_lengths
+        from tinyserve.graph_shapes import prefill_graph_lengths
+        from tinyserve.graphs import DecodeGraphs
 
         if not self.max_graph_chunk:
             return
@@ -250,7 +251,7 @@ class ModelRunner:
         x = device_inputs(h, self.device, self.mtp is not None)
         md = x.metadata
         if (md.is_decode_only or md.verify_query_len) and self.device.type == "cuda":
-            from tinyserve.graphs import decode_num_splits, decode_tiling
+            from tinyserve.graph_shapes import decode_num_splits, decode_tiling
 
             shape = (len(h.q_lens), self.config.max_num_seqs,
                      self.model_config.num_key_value_heads,

@@ -37,11 +37,11 @@ class AttentionMetadata:
     # (else 0). The decode kernel attends such rows with split-K too (long contexts).
     verify_query_len: int = 0
     # Decode split-K count, a function of the padded batch size and the longest context
-    # (graphs.decode_num_splits), so that eager and CUDA-graph steps sum in the same order
+    # (graph_shapes.decode_num_splits), so that eager and CUDA-graph steps sum in the same order
     # (bit-identical outputs); None lets the kernel choose.
     num_splits: int | None = None
-    decode_block_n: int | None = None  # its key tile (graphs.decode_tiling); None: the default
-    decode_min_split: int = 0  # the floor of a row's split length (graphs.decode_tiling)
+    decode_block_n: int | None = None  # its key tile (graph_shapes.decode_tiling); None: default
+    decode_min_split: int = 0  # the floor of a row's split length (graph_shapes.decode_tiling)
     # Key splits of the prefill kernel in an eager step (kernels.prefill_attention.
     # prefill_num_splits): a long prompt's chunk beside short rows fills the GPU.
     prefill_num_splits: int = 1
