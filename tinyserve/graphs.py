@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tinyserve import graph_shapes
+from tinyserve import graph_shapes  # split rules, looked up per call: the runner's eager steps too
 from tinyserve.graph_shapes import (
     MIXED_SPLIT_FROM,
     MIXED_SPLITS,

@@ -83,8 +83,8 @@ def shared_groups(md, block_size: int) -> list[tuple[list[int], torch.Tensor]]:
                                         min_tokens=block_size)  # fmt: skip
         for chunk in plan[0] if plan is not None else ():
             rows = [int(r) for r in chunk[1:] if r >= 0]
-            pos = torch.arange(int(plan[1][rows[0]]))
-            slots = tables[rows[0], pos // block_size].long() * block_size + pos % block_size
+            n = torch.tensor([int(plan[1][rows[0]])])  # the group's shared keys: 0 .. n - 1
+            slots = paged_slots(tables[rows[:1]], torch.zeros_like(n), n, int(n), block_size)[0]
             md.shared_groups.append((rows, slots))
     return md.shared_groups
 
