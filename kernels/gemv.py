@@ -132,21 +132,29 @@ def _gemv_stream_kernel(
 def _gemv_dot_kernel(
     x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, K_PER_SPLIT, ROWS, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    MASK_ROWS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    MASK_ROWS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program i takes W rows [i ROWS, (i + 1) ROWS); MASK_ROWS: fewer than BLOCK_N, the rest of
     the tile masked off (never fetched). SPLIT: program (i, s) sums K range s (K_PER_SPLIT wide,
     whole tiles) into float32 partials y[s] (M x N each, stride_ym); `_split_reduce_kernel` adds
-    them up."""
+    them up. SILU_MUL: W is [gate; up] (2N x K) and y silu(gate) * up (M x N); program i takes
+    gate rows [i ROWS, (i + 1) ROWS) in the top half of its tile and the same up rows in the
+    bottom half, so that its epilogue holds both factors of each output."""
     pdl_sync(USE_PDL)
     m = tl.arange(0, BLOCK_M)  # x padded to a tensor-core tile (16 rows at least)
     lo = tl.program_id(0) * ROWS
-    n = lo + tl.arange(0, BLOCK_N)
+    if SILU_MUL:
+        half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)  # gate rows, then the same up rows
+        n = lo + half
+        up_rows = tl.where(tl.arange(0, BLOCK_N) < BLOCK_N // 2, 0, N)
+    else:
+        n = lo + tl.arange(0, BLOCK_N)
+        up_rows = 0
     end = tl.minimum(lo + ROWS, N)
     m_c = tl.minimum(m, M - 1)
-    n_c = tl.minimum(n, end - 1).to(tl.int64)  # a partial last tile re-reads its last row
-    w_rows = (n < end)[:, None]  # all true unless MASK_ROWS
+    n_c = (tl.minimum(n, end - 1) + up_rows).to(tl.int64)  # a partial last tile re-reads its
+    w_rows = (n < end)[:, None]  # last row; w_rows all true unless MASK_ROWS
     kk = tl.arange(0, BLOCK_K)
     k_lo = 0
     k_hi = K
@@ -175,6 +183,12 @@ def _gemv_dot_kernel(
         acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n_c).to(tl.float32)[:, None]
+    if SILU_MUL:  # rounded as HF's: gate and up outputs, silu(gate), the product
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * up
+        n = lo + tl.arange(0, BLOCK_N // 2)
     y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < end) & (m[None, :] < M))
 
@@ -208,6 +222,7 @@ def gemv(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     gated: bool = False,
+    silu_mul: bool = False,
     method: str | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -224,22 +239,30 @@ def gemv(
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
     `norm=(norm_weight (K,), eps)` multiplies RMSNorm(x + residual) instead of x and writes
     x + residual to `residual_out` (must not alias x or residual); `gated=True` takes x as
-    [gate | up] (M, 2K) and multiplies silu(gate) * up. `block_n`, `block_k`, `rows` (dot only: W
-    rows a program takes, at most block_n), `num_warps`, `num_stages`, `num_splits` (split only)
-    override the tuned configuration."""
+    [gate | up] (M, 2K) and multiplies silu(gate) * up. The epilogue `silu_mul=True` (dot only)
+    takes W as [gate; up] (2N, K) and returns silu(x gate^T) * (x up^T) (M, N), each factor
+    rounded as HF's separate projections are: the SiLU kernel and its pass over the (M, 2N)
+    product are saved. `block_n`, `block_k`, `rows` (dot only: W rows a program takes, at most
+    block_n; even with silu_mul), `num_warps`, `num_stages`, `num_splits` (split only) override
+    the tuned configuration."""
     check(x.dim() == 2 and weight.dim() == 2, "x must be (M, K), W (N, K)")
     (m, kx), (n, k) = x.shape, weight.shape
     check(kx == (2 * k if gated else k), f"x has {kx} columns, W {k}" + (" (x2: gated)" * gated))
     if method is None:  # a prologue streams; cuBLAS's shapes: the row check below says so
         method = "stream" if gated or norm is not None else gemv_method(m, n, k) or "dot"
+    if silu_mul:
+        check(method == "dot" and not (gated or norm), "silu_mul is the dot kernel's epilogue")
+        check(n % 2 == 0, f"silu_mul needs W as [gate; up], got {n} rows")
+        check(out is None or out.dtype == x.dtype, "silu_mul: out in x's dtype")
+    n_out = n // 2 if silu_mul else n
     max_rows = MAX_SPLIT_ROWS if method == "split" else MAX_DOT_ROWS
     check(1 <= m <= max_rows, f"gemv {method} is for 1..{max_rows} rows, got {m}")
     check(x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype, "x and W: one float dtype")
     check(x.stride(1) == 1 and weight.stride(1) == 1, "x and W need a contiguous last dim")
     tensors = [x, weight]
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    check(out.shape == (m, n) and out.stride(1) == 1, f"out must be ({m}, {n}), stride 1")
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    check(out.shape == (m, n_out) and out.stride(1) == 1, f"out must be ({m}, {n_out}), stride 1")
     check(out.dtype in (x.dtype, torch.float32), "out: x's dtype or float32")
     if bias is not None:
         check(bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous(), "bad bias")
@@ -285,15 +308,17 @@ def gemv(
     elif method == "dot":
         cfg = dot_config(m, n, k, x.dtype, x.device)
         block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
-        rows = rows or min(cfg.rows, block_n)
+        rows = rows or min(cfg.rows + (cfg.rows % 2) * silu_mul, block_n)
         check(1 <= rows <= block_n, f"rows must be 1..{block_n}, got {rows}")
-        _gemv_dot_kernel[(triton.cdiv(n, rows), 1)](
-            x, weight, out, bias if bias is not None else x, m, n, k, k, rows, x.stride(0),
-            weight.stride(0), out.stride(0), BLOCK_M=max(16, next_pow2(m)),
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, MASK_ROWS=rows < block_n,
-            SPLIT=False, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
-            UPCAST=is_interpreter(), num_warps=num_warps or cfg.warps,
-            num_stages=num_stages or cfg.stages, **pdl(x.device),
+        check(not silu_mul or rows % 2 == 0, f"silu_mul: rows must be even, got {rows}")
+        rows //= 1 + silu_mul  # gate rows (output columns) a program takes, with their up rows
+        _gemv_dot_kernel[(triton.cdiv(n_out, rows), 1)](
+            x, weight, out, bias if bias is not None else x, m, n_out, k, k, rows, x.stride(0),
+            weight.stride(0), out.stride(0), BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n,
+            BLOCK_K=block_k, EVEN_K=k % block_k == 0, MASK_ROWS=rows < block_n // (1 + silu_mul),
+            SPLIT=False, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+            PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
+            num_warps=num_warps or cfg.warps, num_stages=num_stages or cfg.stages, **pdl(x.device),
         )  # fmt: skip
     else:
         cfg_n, cfg_k, cfg_stages, splits = split_config(m, n, k, x.dtype, x.device)
@@ -305,7 +330,7 @@ def gemv(
         _gemv_dot_kernel[(triton.cdiv(n, block_n), splits)](
             x, weight, partials, x, m, n, k, per_split, block_n, x.stride(0), weight.stride(0), n,
             BLOCK_M=max(16, next_pow2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, MASK_ROWS=False, SPLIT=True, HAS_BIAS=False,
+            EVEN_K=k % block_k == 0, MASK_ROWS=False, SPLIT=True, SILU_MUL=False, HAS_BIAS=False,
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
             num_warps=num_warps or 4, num_stages=num_stages or cfg_stages, **pdl(x.device),
         )  # fmt: skip

@@ -179,6 +179,13 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None
 
 
+def silu_mul_epilogue(m: int, n: int, k: int) -> bool:
+    """Whether a gate_up projection (W = [gate; up], (N, K)) at M rows computes silu(gate) * up
+    in the dot kernel's epilogue: wherever it runs the dot kernel, above two rows (at one or two
+    rows the down projection's stream prologue takes the SiLU)."""
+    return m > 2 and gemv_method(m, n, k) == "dot"
+
+
 def norm_prologue_pays(k: int) -> bool:
     """Where gemv(norm=...) beat rms_norm + gemv at M = 1 (H100, bf16, graph replays): K = 1024
     (Qwen3-0.6B qkv 6.2 vs 7.1 us, gate_up 8.1 vs 8.8 us); at K = 4096 (Llama-3.1-8B) the

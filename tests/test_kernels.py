@@ -672,6 +672,37 @@ def test_gemv_balanced_rows(m, n, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 20])
+@pytest.mark.parametrize(("k", "rows"), [(1000, None), (100, 20), (128, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_silu_mul(dtype, m, k, rows, bias):
+    """The dot kernel's gate_up epilogue: W = [gate; up] (74 x K) -> silu(gate) * up (M x 37),
+    each factor rounded in dtype as the unfused projections and SiLU kernel are; programs of 16
+    gate + 16 up rows in a 32-row tile, of 10 + 10 (20 rows: the rest masked off, the last run
+    short), and of the whole tile (32 rows); K in partial or whole tiles."""
+    n = 37
+    x, w = randn(m, k, dtype=dtype), randn(2 * n, k, dtype=dtype, scale=3.0)
+    b = randn(2 * n, dtype=dtype) if bias else None
+    out = poisoned(torch.empty(m, n, dtype=dtype, device=DEVICE))
+    got = gemv(x, w, out, bias=b, silu_mul=True, method="dot", block_n=32, block_k=64, rows=rows)
+    assert got is out
+    gate_up = gemv_ref(x.double(), w.double(), bias=None if b is None else b.double())
+    assert_rel(out, silu_mul_ref(gate_up.to(dtype)).double(), dtype)
+
+
+def test_gemv_silu_mul_rejects_bad_inputs():
+    x, w = randn(3, 64), randn(8, 64)
+    with pytest.raises(ValueError, match="dot kernel's epilogue"):
+        gemv(x, w, silu_mul=True, method="stream")
+    with pytest.raises(ValueError, match="gate; up"):
+        gemv(x, randn(7, 64), silu_mul=True, method="dot")
+    with pytest.raises(ValueError, match="rows must be even"):
+        gemv(x, w, silu_mul=True, method="dot", block_n=16, rows=5)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, torch.empty(3, 8, device=DEVICE), silu_mul=True, method="dot")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "method"), [(1, "stream"), (3, "dot"), (20, "dot")])
 def test_gemv_bias(dtype, m, method):
     """Both kernels add a bias (Qwen2 / MiMo qkv) in float32 before the one rounding."""
@@ -1236,6 +1267,21 @@ def test_gemv_gated_gpu(m):
     out = torch.full((m, 4096), float("nan"), dtype=BF16, device=DEVICE)
     gemv(x, w, out, gated=True)
     assert_rel(out, gemv_ref(x.float(), w.float(), gated=True), BF16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(22016, 4096), (28672, 4096), (6144, 1024)])
+@pytest.mark.parametrize("m", [3, 4, 16, 32, 64])
+def test_gemv_silu_mul_gpu(shape, m):
+    """gate_up with the SiLU epilogue at MiMo-7B / Llama-3.1-8B / Qwen3-0.6B shapes, in each row
+    count's dot tiles (balanced runs of 84 gate + 84 up rows for MiMo to 32 rows)."""
+    n, k = shape
+    if not gemv_config.silu_mul_epilogue(m, n, k):
+        pytest.skip("not the dot kernel here")
+    x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
+    out = gemv(x, w, silu_mul=True, method="dot")
+    assert_rel(out, silu_mul_ref(gemv_ref(x.float(), w.float()).to(BF16)).float(), BF16)
 
 
 @gpu

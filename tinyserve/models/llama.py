@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
+from tinyserve.kernels.gemv import gemv
+from tinyserve.kernels.gemv_config import silu_mul_epilogue
 from tinyserve.layers.attention import Attention
 from tinyserve.layers.embedding import LMHead, VocabEmbedding
 from tinyserve.layers.linear import Linear, MergedLinear, QKVLinear
@@ -48,14 +50,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); the decoder layer calls the two matmuls itself so that each
-    fuses the op before it."""
+    """down(silu(gate(x)) * up(x)), each matmul fused with the op before or after it where
+    that pays (`normed`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+
+    def normed(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(the MLP of norm(hidden + residual), hidden + residual). The SiLU runs in the gate_up
+        kernel's epilogue where that is the dot kernel (above two rows), else in the down
+        kernel's prologue (the stream kernel: one or two rows), else as its own kernel."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if hidden.is_cuda and silu_mul_epilogue(hidden.shape[0], *gate_up.weight.shape):
+            if residual is None:
+                x, residual = norm(hidden), hidden
+            else:
+                x, residual = norm(hidden, residual)
+            act = gemv(x, gate_up.weight, bias=gate_up.bias, silu_mul=True, method="dot")
+            return down(act), residual
+        y, residual = gate_up.normed(norm, hidden, residual)
+        return down.gated(y), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,11 +93,10 @@ class LlamaDecoderLayer(nn.Module):
         # The residual add of each block is deferred into the next norm, and each norm into
         # the matmul that reads it (one kernel at batch-1 decode, see Linear.normed); same
         # arithmetic as HF's `hidden = residual + hidden; proj(norm(hidden))`.
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         qkv, residual = attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
         hidden = attn(qkv, rope)
-        gate_up, residual = mlp.gate_up_proj.normed(self.post_attention_layernorm, hidden, residual)
-        return mlp.down_proj.gated(gate_up), residual
+        return self.mlp.normed(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaModel(nn.Module):
