@@ -118,7 +118,7 @@ def test_long_row_beside_short_ones_takes_the_long_split_graphs(tmp_path):
     (padded 16: 2 GPU-filling splits) whose longest context leaves a split over LONG_SPLIT_KEYS
     takes the LONG_SPLITS graphs (short rows in one split of them), with the eager steps'
     outputs."""
-    from tinyserve.graphs import LONG_SPLITS
+    from tinyserve.graph_shapes import LONG_SPLITS
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=16384)
     prompts = [[(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)]
@@ -142,7 +142,7 @@ def test_mixed_graphs_read_a_long_decode_row_in_the_long_split_count(tmp_path):
     """A prompt is chunked (mixed graphs, no lane) while 12 short sequences decode beside one
     whose context passes 9,000 keys: those mixed steps take the LONG_SPLITS graphs, with the
     eager steps' tokens (float32: eager mixed steps attend decode rows with the prefill kernel)."""
-    from tinyserve.graphs import LONG_SPLITS
+    from tinyserve.graph_shapes import LONG_SPLITS
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=16384)
     prompts = {f"s{i}": [(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)}
