@@ -68,3 +68,28 @@ def test_no_shared_block_runs_the_reference():
     q, k_cache, v_cache, md = _cache_and_metadata(SEQS, [1] * len(SEQS), torch.float32)
     md.context_lens_cpu = []  # an MTP drafting chain's step: no host lengths
     assert cascade.decode(q, k_cache, v_cache, md, 0.1) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_attends_shared_blocks_once(dtype):
+    """Decode rows and prompt chunks in one step: chunks whose cached blocks start alike (3
+    blocks; 1 block, then diverging) attend them once per group, causal over their own keys;
+    decode rows sharing a block take the decode cascade; a lone decode row, a lone chunk and a
+    fresh prompt attend all their keys alone. The per-sequence reference's output."""
+    lens = [1, 12, 20, 1, 1, 5, 3, 7, 9]
+    q, k_cache, v_cache, md = _cache_and_metadata(SEQS, lens, dtype)
+    out = attention.mixed_attention_cpu(q, k_cache, v_cache, md, 0.1)
+    groups, *_, rest = md.prefill_cascade
+    assert [(pos, len(slots) // BS) for pos, slots in groups] == [((0, 2), 3), ((2, 4), 1)]
+    assert rest == [7, 8] and md.decode_rows[0] == [0, 3, 4]
+    assert _groups(md.decode_rows[2]) == [([1, 2], 1)]  # rows 3 and 4 of the step
+    _close(out, attention.prefill_attention_ref(q, k_cache, v_cache, md, 0.1), dtype)
+
+
+def test_mixed_step_without_sharing_runs_the_reference():
+    """No chunk shares a cached block with another: every row attends alone, as the reference."""
+    seqs = [SEQS[i] for i in (0, 3, 5, 7, 8)]
+    q, k_cache, v_cache, md = _cache_and_metadata(seqs, [1, 4, 6, 1, 9], torch.float32)
+    out = attention.mixed_attention_cpu(q, k_cache, v_cache, md, 0.1)
+    assert md.prefill_cascade == () and md.decode_rows[2] is not None
+    assert torch.equal(out, attention.prefill_attention_ref(q, k_cache, v_cache, md, 0.1))

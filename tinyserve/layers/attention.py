@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,9 @@ class AttentionMetadata:
     # share, and the gather of each row's own keys after them.
     shared_groups: list | None = None
     decode_cascade: tuple | None = None
+    # CPU mixed steps, set lazily: the decode rows' own metadata, and the chunks' cascade plan.
+    decode_rows: tuple | None = None
+    prefill_cascade: tuple | None = None
     # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
     # cascade path (kernels/decode_attention.py); the CPU path plans its own (`shared_groups`).
     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -131,23 +135,60 @@ def prefill_attention_ref(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    rows: list[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Any batch (prefill chunks and decode rows mixed): q (T, Hq, D) -> (T, Hq, D), one SDPA
-    call per sequence over its cached prefix + new tokens. Host-side lengths only, no sync."""
+    call per sequence (each of `rows`, default all) over its cached prefix + new tokens, into
+    `out`. Host-side lengths only, no sync."""
     block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
-    start = 0
-    for i, (query_len, context_len) in enumerate(
-        zip(md.query_lens_cpu, md.context_lens_cpu, strict=True)
-    ):
-        num_blocks = -(-context_len // block_size)
-        blocks = md.block_tables[i, :num_blocks]
+    out = torch.empty_like(q) if out is None else out
+    starts = [0, *accumulate(md.query_lens_cpu)]
+    for i in range(len(md.query_lens_cpu)) if rows is None else rows:
+        context_len, start, end = md.context_lens_cpu[i], starts[i], starts[i + 1]
+        blocks = md.block_tables[i, : -(-context_len // block_size)]
         k = k_cache[blocks].flatten(0, 1)[:context_len]  # (L, Hkv, D)
         v = v_cache[blocks].flatten(0, 1)[:context_len]
-        end = start + query_len
         out[start:end] = causal_attention(q[start:end], k, v, scale)
-        start = end
     return out
+
+
+def mixed_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A CPU step with prompt chunks: rows of one query token that share KV blocks attend as
+    a decode step's do (`cascade.decode`), chunks that share cached blocks as
+    `cascade.prefill` (each group's shared keys read once, by all its queries in one call);
+    the rest one SDPA call each, as `prefill_attention_ref`. Where prompts share a head (the
+    shared-prefix workload) the followers' chunks and the decode rows beside them are most of a
+    step, and one call per row spent more in gathers and dispatch than in attention."""
+    if md.decode_rows is None:
+        ones = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
+        sub = None
+        if len(ones) > 1:
+            sub = AttentionMetadata(
+                slot_mapping=md.slot_mapping[:0], block_tables=md.block_tables[ones],
+                cu_seqlens_q=torch.arange(len(ones) + 1, dtype=torch.int32),
+                context_lens=md.context_lens[ones], query_lens_cpu=[1] * len(ones),
+                context_lens_cpu=[md.context_lens_cpu[i] for i in ones],
+                max_context_len=max(md.context_lens_cpu[i] for i in ones), is_decode_only=True,
+            )  # fmt: skip
+        tok = md.cu_seqlens_q[ones].long()
+        md.decode_rows = (ones, [i for i, n in enumerate(md.query_lens_cpu) if n > 1], sub, tok)
+    ones, chunks, sub, tok = md.decode_rows
+    out = torch.empty_like(q)
+    rest = ones
+    if sub is not None:
+        o = cascade.decode(q[tok], k_cache, v_cache, sub, scale)
+        if o is not None:
+            out[tok], rest = o, []
+    if len(chunks) > 1:
+        chunks = cascade.prefill(q, k_cache, v_cache, md, chunks, scale, out)
+    return prefill_attention_ref(q, k_cache, v_cache, md, scale, sorted(rest + chunks), out)
 
 
 def causal_attention(
@@ -201,7 +242,7 @@ class Attention(nn.Module):
         if md.is_decode_only:  # rows sharing KV blocks: cascade; else the reference
             out = cascade.decode(*args)
             return decode_attention_ref(*args) if out is None else out
-        return prefill_attention_ref(*args)
+        return mixed_attention_cpu(*args)
 
     def _forward_triton(self, qkv, rope, q_norm, k_norm) -> torch.Tensor:
         md = _current_metadata()

@@ -108,6 +108,97 @@ def decode(q, k_cache, v_cache, md, scale: float) -> torch.Tensor | None:
     return out.to(q.dtype).reshape(batch, num_heads, head_dim)
 
 
+def prefill(q, k_cache, v_cache, md, rows: list[int], scale: float, out: torch.Tensor
+            ) -> list[int]:  # fmt: skip
+    """Prompt chunks `rows` (of several query tokens; q (T, Hq, D) holds every row's) whose
+    cached blocks start alike (`plan_shared_prefixes` on the blocks before each chunk): each
+    group's queries attend its shared keys in one call, read once; each chunk its own keys after
+    them (causal); the parts merge by their log-sum-exps into `out`. Returns the rows left for
+    the caller (in no group). The plan is computed by the first layer, kept in md."""
+    if md.prefill_cascade is None:
+        g = q.shape[1] // k_cache.shape[2]
+        md.prefill_cascade = _prefill_plan(md, k_cache.shape[1], rows, g, q.dtype) or ()
+    plan = md.prefill_cascade
+    if not plan:
+        return rows
+    groups, tok, own_slots, mask, out_tok, keep, rest = plan
+    num_tokens, num_heads, head_dim = q.shape
+    members, width = tok.shape
+    hkv = k_cache.shape[2]
+    g = num_heads // hkv
+    # (Hkv, M, Tmax * G, D): each chunk's query tokens (padded), its G heads per kv head as
+    # rows; kv heads outermost, so that a group (consecutive members) is a view.
+    qp = q.view(num_tokens, hkv, g, head_dim)[tok].permute(2, 0, 1, 3, 4)
+    qp = qp.reshape(hkv, members, width * g, head_dim)
+    k_flat, v_flat = (c.view(-1, hkv, head_dim) for c in (k_cache, v_cache))
+    o_sh = torch.empty_like(qp)
+    lse_sh = torch.empty(qp.shape[:3])
+    for (lo, hi), slots in groups:
+        k, v = (c.index_select(0, slots).transpose(0, 1)[None] for c in (k_flat, v_flat))
+        qg = qp[:, lo:hi].reshape(1, hkv, -1, head_dim)
+        o, lse = _sdpa_lse(qg, k, v, scale=scale)[:2]
+        o_sh[:, lo:hi] = o.view(hkv, hi - lo, width * g, head_dim)
+        lse_sh[:, lo:hi] = lse.view(hkv, hi - lo, width * g)
+    k, v = (c.index_select(0, own_slots).view(members, -1, hkv, head_dim).transpose(1, 2)
+            for c in (k_flat, v_flat))  # fmt: skip
+    o, lse = _sdpa_lse(qp.transpose(0, 1), k, v, attn_mask=mask, scale=scale)[:2]
+    # The two softmax-normalized parts weighted by their sums: the own part's weight is
+    # sigmoid(lse_own - lse_shared); lerp computes in float32 and rounds once.
+    weight = torch.sigmoid(lse - lse_sh.transpose(0, 1))[..., None].to(q.dtype)
+    merged = torch.lerp(o_sh.transpose(0, 1), o, weight)
+    merged = merged.view(members, hkv, width, g, head_dim).transpose(1, 2)
+    out[out_tok] = merged.reshape(members * width, num_heads, head_dim)[keep]
+    return rest
+
+
+def _prefill_plan(md, block_size: int, rows: list[int], g: int, dtype: torch.dtype):
+    """`prefill`'s step plan, or None where no two chunks share a cached block: groups (member
+    positions, the shared keys' slots), each member's query tokens (M, Tmax, clamped), its own
+    keys' slots and additive causal mask (M, 1, Tmax * G, L), the valid query tokens' indices
+    in the step and in the padded layout, and the rows in no group."""
+    if _sdpa_lse is None:
+        return None
+    ql = np.array(md.query_lens_cpu)[rows]
+    ctx = np.array(md.context_lens_cpu)[rows]
+    tables = md.block_tables[rows]
+    # A chunk's cached blocks are those before its first token (`ctx - ql + 1` as the plan's
+    # context: its blocks before the one that token is in).
+    plan = plan_shared_prefixes(tables.numpy(), ctx - ql + 1, block_size, len(rows), len(rows),
+                                min_tokens=block_size)  # fmt: skip
+    if plan is None:
+        return None
+    chunks, shared = plan
+    members = [int(r) for c in chunks for r in c[1:] if r >= 0]
+    starts = np.asarray(md.cu_seqlens_q[:-1])[rows]
+    groups, at = [], 0
+    for chunk in chunks:
+        size, n = int((chunk[1:] >= 0).sum()), int(shared[chunk[1]])
+        zero = torch.zeros(1, dtype=torch.long)
+        slots = paged_slots(tables[chunk[1:2]], zero, torch.tensor([n]), n, block_size)[0]
+        groups.append(((at, at + size), slots))
+        at += size
+    t = torch.from_numpy(ql[members]).long()
+    c = torch.from_numpy(ctx[members]).long()
+    first = torch.from_numpy(shared[members]).long()
+    width, length = int(t.max()), int((c - first).max())
+    steps = torch.arange(width)
+    valid_q = steps[None, :] < t[:, None]  # (M, Tmax)
+    tok = torch.from_numpy(starts[members]).long()[:, None] + torch.minimum(steps, t[:, None] - 1)
+    own_slots, valid_k = paged_slots(tables[members], first, c, length, block_size)
+    # query token i of a chunk sits at position ctx - t + i; own key j at position first + j
+    seen = (first[:, None, None] + torch.arange(length)[None, None, :]
+            <= (c - t)[:, None, None] + steps[None, :, None])  # fmt: skip
+    allowed = seen & valid_k[:, None, :] & valid_q[:, :, None]
+    allowed[:, :, 0] |= ~valid_q  # padded query tokens read key 0: finite, then dropped
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    mask = mask[:, :, None, :].expand(-1, -1, g, -1).reshape(len(members), 1, width * g, length)
+    keep = valid_q.flatten()
+    out_tok = tok.flatten()[keep]
+    grouped = set(members)
+    rest = [r for i, r in enumerate(rows) if i not in grouped]
+    return groups, tok, own_slots, mask, out_tok, keep, rest
+
+
 def _shared_parts(q, k_cache, v_cache, groups, scale: float):
     """Each group's rows (q: (B, Hkv, G, D)) over its shared keys, read once: float32 outputs
     (B, Hkv, G, D) and log-sum-exps (B, Hkv, G); -inf (weight 0) outside groups."""
