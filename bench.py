@@ -598,8 +598,8 @@ def bench_prefix(args) -> dict:
     path, load_format = resolve_model(args.model)
     g, r, sys_len, q_len, out_len = 16, 32, 2048, 256, 128
     n_streams, long_len = 64, 32768
-    if args.small:  # the CPU sizes
-        g, r, sys_len, q_len, out_len = 4, 8, 512, 64, 32
+    if args.small:  # the CPU sizes: the groups and requests a group above, lengths / 4
+        sys_len, q_len, out_len = 512, 64, 32
         n_streams, long_len = 8, 4096
     long_len = args.long_len or long_len
     rng = random.Random(0)

@@ -1,16 +1,17 @@
 """Cascade attention: the plan both paths share (`plan_shared_prefixes`: the GPU decode kernel's
-chunks, graphs.py) and the CPU path's decode steps, where rows whose block tables start with the
-same KV blocks (prefix-cache hits of one prompt head) attend those shared keys once per group,
-each row attends the rest of its own keys, and the two parts merge by their log-sum-exps, as
-the GPU decode kernel's shared-prefix path does. The result is `attention.decode_attention_ref`'s
-to rounding; `decode` returns None where no two rows share a block (the caller then runs the
-reference). Prompt chunks after shared blocks gained ~4% a step the same way (noisy host),
-so prefill steps keep the reference.
+chunks, graphs.py) and the CPU path's steps, where rows whose block tables start with the same
+KV blocks (prefix-cache hits of one prompt head) attend those shared keys once per group, each
+row attends the rest of its own keys, and the two parts merge by their log-sum-exps, as the GPU
+decode kernel's shared-prefix path does. `decode` (decode steps, and a mixed step's decode
+rows) matches `attention.decode_attention_ref` to rounding, `prefill` (a mixed step's prompt
+chunks: each group's queries in one call) `attention.prefill_attention_ref`; rows in no group
+are left to those references.
 
-SmolLM2-135M, 2 cores (AMX), bf16, 32 decode rows in 4 groups (`bench.py prefix --small`'s
-workload), both paths timed on the same calls: 2.17-2.21 -> 1.86-2.02 ms a layer with 512
-shared keys of ~600, 9.21 -> 4.09 ms with 2,048 of ~2,130 (BENCHMARKS.md, thirty-first
-session)."""
+SmolLM2-135M, 2 cores (AMX), bf16, ms a layer, both paths timed on the same calls: 32 decode rows
+in 4 groups, 2.17-2.21 -> 1.86-2.02 with 512 shared keys of ~600, 9.21 -> 4.09 with 2,048 of
+~2,130 (thirty-first session); a mixed step of 200 decode rows and 100 chunks of 64 tokens after
+512 shared keys in 16 groups 102-105 -> 42-50, 124 such chunks in 4 groups 62-67 -> 37-51
+(BENCHMARKS.md, thirty-third session)."""
 
 from __future__ import annotations
 
