@@ -144,7 +144,8 @@ def prefill(q, k_cache, v_cache, md, rows: list[int], scale: float, out: torch.T
             for c in (k_flat, v_flat))  # fmt: skip
     o, lse = _sdpa_lse(qp.transpose(0, 1), k, v, attn_mask=mask, scale=scale)[:2]
     # The two softmax-normalized parts weighted by their sums: the own part's weight is
-    # sigmoid(lse_own - lse_shared); lerp computes in float32 and rounds once.
+    # sigmoid(lse_own - lse_shared). lerp takes it in q's dtype, computes in float32 and rounds
+    # once; one pass where a float32 merge made five over the (M, Hkv, Tmax x G, D) outputs.
     weight = torch.sigmoid(lse - lse_sh.transpose(0, 1))[..., None].to(q.dtype)
     merged = torch.lerp(o_sh.transpose(0, 1), o, weight)
     merged = merged.view(members, hkv, width, g, head_dim).transpose(1, 2)
