@@ -79,7 +79,8 @@ def test_mixed_step_attends_shared_blocks_once(dtype):
     lens = [1, 12, 20, 1, 1, 5, 3, 7, 9]
     q, k_cache, v_cache, md = _cache_and_metadata(SEQS, lens, dtype)
     out = attention.mixed_attention_cpu(q, k_cache, v_cache, md, 0.1)
-    groups, *_, rest = md.prefill_cascade
+    groups, shape, *_, keep, rest = md.prefill_cascade
+    assert shape == (4, 20) and len(keep) == 12 + 20 + 5 + 3  # chunks padded to 20 tokens
     assert [(pos, len(slots) // BS) for pos, slots in groups] == [((0, 2), 3), ((2, 4), 1)]
     assert rest == [7, 8] and md.decode_rows[0] == [0, 3, 4]
     assert _groups(md.decode_rows[2]) == [([1, 2], 1)]  # rows 3 and 4 of the step

@@ -183,9 +183,10 @@ def mixed_attention_cpu(
     out = torch.empty_like(q)
     rest = ones
     if sub is not None:
-        o = cascade.decode(q[tok], k_cache, v_cache, sub, scale)
+        o = cascade.decode(q.index_select(0, tok), k_cache, v_cache, sub, scale)
         if o is not None:
-            out[tok], rest = o, []
+            out.index_copy_(0, tok, o)
+            rest = []
     if len(chunks) > 1:
         chunks = cascade.prefill(q, k_cache, v_cache, md, chunks, scale, out)
     return prefill_attention_ref(q, k_cache, v_cache, md, scale, sorted(rest + chunks), out)

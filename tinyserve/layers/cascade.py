@@ -122,14 +122,15 @@ def prefill(q, k_cache, v_cache, md, rows: list[int], scale: float, out: torch.T
     plan = md.prefill_cascade
     if not plan:
         return rows
-    groups, tok, own_slots, mask, out_tok, keep, rest = plan
+    groups, (members, width), tok, own_slots, mask, out_tok, keep, rest = plan
     num_tokens, num_heads, head_dim = q.shape
-    members, width = tok.shape
     hkv = k_cache.shape[2]
     g = num_heads // hkv
     # (Hkv, M, Tmax * G, D): each chunk's query tokens (padded), its G heads per kv head as
     # rows; kv heads outermost, so that a group (consecutive members) is a view.
-    qp = q.view(num_tokens, hkv, g, head_dim)[tok].permute(2, 0, 1, 3, 4)
+    # (index_select and index_copy_ below: advanced indexing took ~5x as long on the CPU)
+    qp = q.view(num_tokens, hkv, g, head_dim).index_select(0, tok)
+    qp = qp.view(members, width, hkv, g, head_dim).permute(2, 0, 1, 3, 4)
     qp = qp.reshape(hkv, members, width * g, head_dim)
     k_flat, v_flat = (c.view(-1, hkv, head_dim) for c in (k_cache, v_cache))
     o_sh = torch.empty_like(qp)
@@ -149,15 +150,16 @@ def prefill(q, k_cache, v_cache, md, rows: list[int], scale: float, out: torch.T
     weight = torch.sigmoid(lse - lse_sh.transpose(0, 1))[..., None].to(q.dtype)
     merged = torch.lerp(o_sh.transpose(0, 1), o, weight)
     merged = merged.view(members, hkv, width, g, head_dim).transpose(1, 2)
-    out[out_tok] = merged.reshape(members * width, num_heads, head_dim)[keep]
+    merged = merged.reshape(members * width, num_heads, head_dim)
+    out.index_copy_(0, out_tok, merged if keep is None else merged.index_select(0, keep))
     return rest
 
 
 def _prefill_plan(md, block_size: int, rows: list[int], g: int, dtype: torch.dtype):
     """`prefill`'s step plan, or None where no two chunks share a cached block: groups (member
-    positions, the shared keys' slots), each member's query tokens (M, Tmax, clamped), its own
-    keys' slots and additive causal mask (M, 1, Tmax * G, L), the valid query tokens' indices
-    in the step and in the padded layout, and the rows in no group."""
+    positions, the shared keys' slots), (M, Tmax), each member's query tokens (M x Tmax,
+    clamped), its own keys' slots and additive causal mask (M, 1, Tmax * G, L), the valid query
+    tokens' indices in the step and in the padded layout (None: all), the rows in no group."""
     if _sdpa_lse is None:
         return None
     ql = np.array(md.query_lens_cpu)[rows]
@@ -194,11 +196,13 @@ def _prefill_plan(md, block_size: int, rows: list[int], g: int, dtype: torch.dty
     allowed[:, :, 0] |= ~valid_q  # padded query tokens read key 0: finite, then dropped
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     mask = mask[:, :, None, :].expand(-1, -1, g, -1).reshape(len(members), 1, width * g, length)
-    keep = valid_q.flatten()
+    keep = valid_q.flatten().nonzero().squeeze(1)
     out_tok = tok.flatten()[keep]
+    if len(keep) == tok.numel():
+        keep = None  # every chunk is Tmax long: no padded query token to drop
     grouped = set(members)
     rest = [r for i, r in enumerate(rows) if i not in grouped]
-    return groups, tok, own_slots, mask, out_tok, keep, rest
+    return groups, tok.shape, tok.flatten(), own_slots, mask, out_tok, keep, rest
 
 
 def _shared_parts(q, k_cache, v_cache, groups, scale: float):
