@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.kernels.gemv import gemv
-from tinyserve.kernels.gemv_config import gemv_method, norm_prologue_pays
+from tinyserve.kernels.gemv_config import gemv_method, norm_prologue_pays, silu_mul_epilogue
 from tinyserve.layers.activation import silu_and_mul
 
 
@@ -84,6 +84,16 @@ class Linear(nn.Module):
             return self(norm(x)), x
         x, residual = norm(x, residual)
         return self(x), residual
+
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether `silu_mul` runs for x's rows: where this [gate; up] projection takes the dot
+        kernel, above two rows (`silu_mul_epilogue`)."""
+        return x.is_cuda and silu_mul_epilogue(x.shape[0], *self.weight.shape)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x gate^T) * (x up^T) for this [gate; up] projection, the activation in the dot
+        kernel's epilogue (see `fuses_silu_mul`)."""
+        return gemv(x, self.weight, bias=self.bias, silu_mul=True, method="dot")
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for x = [gate | up]."""

@@ -15,8 +15,6 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
-from tinyserve.kernels.gemv import gemv
-from tinyserve.kernels.gemv_config import silu_mul_epilogue
 from tinyserve.layers.attention import Attention
 from tinyserve.layers.embedding import LMHead, VocabEmbedding
 from tinyserve.layers.linear import Linear, MergedLinear, QKVLinear
@@ -65,13 +63,12 @@ class LlamaMLP(nn.Module):
         kernel's epilogue where that is the dot kernel (above two rows), else in the down
         kernel's prologue (the stream kernel: one or two rows), else as its own kernel."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if hidden.is_cuda and silu_mul_epilogue(hidden.shape[0], *gate_up.weight.shape):
+        if gate_up.fuses_silu_mul(hidden):
             if residual is None:
                 x, residual = norm(hidden), hidden
             else:
                 x, residual = norm(hidden, residual)
-            act = gemv(x, gate_up.weight, bias=gate_up.bias, silu_mul=True, method="dot")
-            return down(act), residual
+            return down(gate_up.silu_mul(x)), residual
         y, residual = gate_up.normed(norm, hidden, residual)
         return down.gated(y), residual
 
