@@ -270,7 +270,7 @@ def _bench_attention(res) -> None:
                    decode_sweeps[batch, ctx])  # fmt: skip
     # Shared prefixes (the prefix benchmark's decode steps): 512 rows in 16 groups sharing a
     # 2,048-token prompt + 320 tokens each; GB/s counts the KV stored once (what cascade reads).
-    from tinyserve.kernels.decode_attention import shared_prefix_rows
+    from tinyserve.kernels.shared_prefix_attention import shared_prefix_rows
 
     from tinyserve.graphs import plan_shared_prefixes
 
@@ -676,7 +676,7 @@ def bench_pool(args) -> dict:
     import random
 
     from tinyserve.block_pool import BlockPool
-    from tinyserve.sampling import SamplingParams
+    from tinyserve.sampling_params import SamplingParams
     from tinyserve.sequence import Sequence
 
     rng, res = random.Random(0), {"rows": []}

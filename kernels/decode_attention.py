@@ -12,15 +12,8 @@ chain. A larger grid waits first: there the early fetch cost MiMo-7B's batch-64 
 5.39 vs 5.25 ms) and gave batch 1 1.4% (4.04 vs 4.10 ms). H100, bf16, batch 64 x 4k tokens,
 with the early fetch: 389 us, 93% of the measured copy bandwidth.
 
-Shared prefixes (cascade attention): rows whose contexts start with the same KV blocks (prefix-
-cache hits) can attend to those blocks together. `shared_chunks` (C, 1 + R) int32 lists a
-leader row, whose table holds the prefix, then up to R member rows (-1 padded; all -1: an
-unused chunk); `shared_lens` (B,) int32 is how many leading tokens of each row its chunk covers
-(0: none). One program per (chunk, kv head, prefix split) reads a tile of the prefix once for
-every member's query heads (a tensor-core tile of up to 64 query rows), instead of once per row;
-the per-row kernel then reads only the rest of each context, and the merge combines both. On
-512 rows sharing 2k-token prompts in groups of 32, per-row reads are L2-bandwidth bound at ~2x
-the KV actually stored.
+Shared prefixes (cascade attention) are attended once per group by shared_prefix_attention.py,
+into the first slots of the split partials that the merge here combines.
 """
 
 from __future__ import annotations
@@ -41,58 +34,8 @@ from ._common import (
     pdl,
     pdl_sync,
 )
-
-
-@triton.jit
-def _kv_slots(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys n = n0 + arange(BLOCK_N) below end: (n, mask, block ids, offsets in the block)."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = n < end
-    if BLOCK_SIZE >= BLOCK_N:  # tiles are aligned, so the whole tile sits in one KV block
-        block_ids = tl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
-    else:
-        block_ids = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        block_ids = block_ids[:, None]
-    return n, n_mask, block_ids, (n % BLOCK_SIZE)[:, None]
-
-
-@triton.jit
-def _kv_tile(k_base, v_base, block_ids, offs, mask, d,
-             stride_kb, stride_ks, stride_vb, stride_vs):  # fmt: skip
-    """(k, v) (BLOCK_N, D) at the slots; rows outside mask are 0 and never read (padding slots
-    may hold never-written memory, NaN)."""
-    k_ptrs = k_base + block_ids * stride_kb + offs * stride_ks + d[None, :]
-    v_ptrs = v_base + block_ids * stride_vb + offs * stride_vs + d[None, :]
-    mask = mask[:, None]
-    return tl.load(k_ptrs, mask=mask, other=0.0), tl.load(v_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _attend_tile(
-    q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
-    QUERY_LEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step of the (BLOCK_G, D) queries over keys n; returns (m_i, l_i, acc)."""
-    if UPCAST:
-        k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_G, BLOCK_N)
-    visible = n_mask[None, :]
-    if QUERY_LEN > 1:
-        visible = visible & (n[None, :] <= last_key[:, None])
-    qk = tl.where(visible, qk * scale_log2e, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A row may see no key yet (an empty split, a verify row before its split): keep exp2 away
-    # from -inf - -inf.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(v.dtype)  # P @ V in the cache dtype, fp32 accumulate
-    if UPCAST:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-    return m_new, l_i, acc
+from .attention_tiles import _attend_tile, _kv_slots, _kv_tile
+from .shared_prefix_attention import shared_prefix_partials
 
 
 @triton.jit
@@ -221,61 +164,6 @@ def _decode_kernel(
             tl.store(lse_ptr + head_rows[:, None] * total + p[None, :], none, mask=empty)
 
 
-@triton.jit
-def _shared_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, chunks_ptr, skip_ptr, part_ptr, lse_ptr,
-    scale_log2e, num_heads, total_splits,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_c,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (chunk, kv head, split): the chunk's members' query heads of this kv head (up to
-    BLOCK_M = ROWS * GROUP query rows) against one split of the prefix in the leader's table."""
-    pdl_sync(USE_PDL)
-    c = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    leader = tl.load(chunks_ptr + c * stride_c)
-    prefix_len = tl.where(leader >= 0, tl.load(skip_ptr + tl.maximum(leader, 0)), 0)
-    split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, prefix_len)
-
-    m = tl.arange(0, BLOCK_M)
-    member = m // GROUP
-    heads = kv_head * GROUP + m % GROUP
-    rows = tl.load(chunks_ptr + c * stride_c + 1 + member, mask=member < ROWS, other=-1)
-    valid = rows >= 0  # an unused chunk is all -1
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=valid[:, None], other=0.0)  # fmt: skip
-    if UPCAST:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    bt_row = bt_ptr + tl.maximum(leader, 0) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        n, n_mask, block_ids, offs = _kv_slots(bt_row, n0, end, BLOCK_SIZE, BLOCK_N)
-        k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask, d,
-                        stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
-        # One query a row: no causal mask, so n stands in for the last keys.
-        m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, n, m_i, l_i, acc, scale_log2e,
-                                     1, PRECISION, UPCAST)  # fmt: skip
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    row = (rows * num_heads + heads) * total_splits + split
-    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-             mask=valid[:, None])  # fmt: skip
-    tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=valid)
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def merge_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
@@ -321,13 +209,6 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, devi
 
 
 MAX_TILE_ROWS = 64  # query rows (tokens x query heads) of one kv head's decode tile
-SHARED_BLOCK_M = 64  # query rows (member rows x query heads per kv head) of a shared-prefix tile
-
-
-def shared_prefix_rows(num_heads: int, num_kv_heads: int) -> int:
-    """Member rows per shared-prefix chunk (R): as many as fill one tile of query rows; 0 where
-    one row's query heads per kv head do not fit a tile (no shared-prefix path)."""
-    return SHARED_BLOCK_M // (num_heads // num_kv_heads)
 
 
 def decode_attention(
@@ -361,8 +242,8 @@ def decode_attention(
     each attending causally; the query_len x Hq / Hkv rows of a kv head share one tile, so
     query_len * Hq / Hkv <= MAX_TILE_ROWS. No shared prefixes then.
 
-    `shared_chunks` (C, 1 + R) and `shared_lens` (B,) (see the module docstring; R from
-    `shared_prefix_rows`) attend shared prefixes once per chunk, in `shared_splits` splits. A
+    `shared_chunks` (C, 1 + R) and `shared_lens` (B,) (see shared_prefix_attention.py; R from
+    its `shared_prefix_rows`) attend shared prefixes once per chunk, in `shared_splits` splits. A
     row's shared length must be a multiple of the block size, less than its context length, and
     its first blocks must equal its leader's."""
     check(q.dim() == 3 and k_cache.dim() == 4, "q must be (B, Hq, D), caches (N, bs, Hkv, D)")
@@ -395,34 +276,16 @@ def decode_attention(
     shared = shared_chunks is not None
     prefix_splits = shared_splits if shared else 0
     total = prefix_splits + num_splits
-    if shared:
-        rows = shared_prefix_rows(num_heads, num_kv_heads)
-        check(rows > 0, f"shared prefixes need Hq / Hkv <= {SHARED_BLOCK_M}")
-        check(shared_lens is not None, "shared_chunks needs shared_lens")
-        check(shared_chunks.dtype == torch.int32 and shared_chunks.dim() == 2
-              and shared_chunks.shape[1] == 1 + rows and shared_chunks.stride(1) == 1,
-              f"shared_chunks must be (C, {1 + rows}) int32")  # fmt: skip
-        check(shared_lens.dtype == torch.int32 and shared_lens.shape == (batch,)
-              and shared_lens.is_contiguous(), "shared_lens must be (B,) int32")  # fmt: skip
-        check(shared_splits >= 1, "shared_splits must be >= 1")
     if total > 1:
         part = torch.empty(q_rows, num_heads, total, head_dim, device=q.device,
                            dtype=torch.float32)  # fmt: skip
         lse = torch.empty(q_rows, num_heads, total, device=q.device, dtype=torch.float32)
     else:
         part = lse = out  # unused by the kernel
-    if shared and shared_chunks.shape[0]:
-        _shared_prefix_kernel[(shared_chunks.shape[0], num_kv_heads, prefix_splits)](
-            q, k_cache, v_cache, block_tables, shared_chunks, shared_lens, part, lse,
-            scale * math.log2(math.e), num_heads, total,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), shared_chunks.stride(0),
-            GROUP=group, ROWS=rows, BLOCK_M=SHARED_BLOCK_M, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=prefix_splits,
-            PRECISION=dot_precision(q.dtype), UPCAST=interp,
-            num_warps=4, num_stages=2, **pdl(q.device),
+    if shared:
+        shared_prefix_partials(
+            q, k_cache, v_cache, block_tables, shared_chunks, shared_lens, scale, part, lse,
+            num_splits=prefix_splits, block_n=block_n,
         )  # fmt: skip
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, shared_lens if shared else context_lens,

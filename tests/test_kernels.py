@@ -21,7 +21,6 @@ from tinyserve.kernels._common import is_interpreter, next_pow2  # noqa: E402
 from tinyserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_ref,
-    shared_prefix_rows,
 )
 from tinyserve.kernels.gemv import gemv, gemv_ref  # noqa: E402
 from tinyserve.kernels.gemv_config import (  # noqa: E402
@@ -44,6 +43,7 @@ from tinyserve.kernels.sampling import (  # noqa: E402
     sample_race,
     sample_race_ref,
 )
+from tinyserve.kernels.shared_prefix_attention import shared_prefix_rows  # noqa: E402
 from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: E402
 from tinyserve.kernels.spec_accept import accept_drafts, accept_drafts_ref  # noqa: E402
 from tinyserve.kernels.spec_shift import spec_shift, spec_shift_ref  # noqa: E402
@@ -305,7 +305,7 @@ def test_a_plan_of_pool_tables_gives_the_plain_attention():
 
     from tinyserve.block_pool import BlockPool
     from tinyserve.graphs import plan_shared_prefixes
-    from tinyserve.sampling import SamplingParams
+    from tinyserve.sampling_params import SamplingParams
     from tinyserve.sequence import Sequence
 
     bs, heads, kv_heads, dim = 4, 4, 2, 16
@@ -1088,7 +1088,8 @@ def test_argmax_rejects_bad_inputs():
 
 def test_sample_race_equals_sampler_tokens():
     """Processed logits + keys from SamplingTensors: the torch sampler's tokens exactly."""
-    from tinyserve.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
+    from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+    from tinyserve.sampling_params import SamplingParams
 
     temps = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9]
     rows = [SamplingRow(SamplingParams(temperature=t, seed=i), seed=i, prompt_ids=[1],
@@ -1106,7 +1107,8 @@ def test_sampler_on_gpu_draws_the_cpu_samplers_tokens(monkeypatch):
     logits and keys (filters, greedy rows, seeds): the same tokens."""
     from tinyserve.kernels import sampling as kernel
 
-    from tinyserve.sampling import SamplingParams, SamplingRow, SamplingTensors, sample
+    from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+    from tinyserve.sampling_params import SamplingParams
 
     calls, fused = [], kernel.sample_race
     monkeypatch.setattr(kernel, "sample_race", lambda *a, **k: calls.append(1) or fused(*a, **k))

@@ -205,7 +205,7 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
     """Every graph of a set writes its logits into one buffer (one per size would hold
     bs x V floats each); a model whose query heads per kv head exceed one shared-prefix tile
     gets no cascade graphs."""
-    from tinyserve.kernels import decode_attention
+    from tinyserve.kernels import shared_prefix_attention
 
     from tinyserve.graphs import DecodeGraphs
 
@@ -216,7 +216,7 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
     assert len(graphs.outputs) >= 3
     assert all(lg.data_ptr() == graphs.logits.data_ptr() for _, lg in graphs.outputs.values())
     r = llm.engine.runner
-    monkeypatch.setattr(decode_attention, "shared_prefix_rows", lambda heads, kv_heads: 0)
+    monkeypatch.setattr(shared_prefix_attention, "shared_prefix_rows", lambda heads, kv_heads: 0)
     untileable = DecodeGraphs(r.model, 16, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size,
                               capture=False, shared_prefix=True)  # fmt: skip
     assert untileable.shared_sizes == []
@@ -352,7 +352,7 @@ def test_mixed_graphs_take_a_long_decode_row_s_split_count(model_dir, monkeypatc
     want = outputs(make_llm(model_dir, **kw), prompts, [params] * 4)
     llm = with_replayed_graphs(make_llm(model_dir, **kw))
     for g in llm.engine.runner.mixed_graphs.values():
-        assert {key[2][0] for key in g._keys(4)} == {1, 4}
+        assert {key[2][0] for key in g.keys(4)} == {1, 4}
     used = recorded_mixed_keys(llm)
     assert outputs(llm, prompts, [params] * 4) == want
     decode_splits = {decode for decode, _ in used}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tinyserve import prefix_trie
 from tinyserve.block_pool import BlockPool
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling_params import SamplingParams
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import Sequence, SequenceStatus
 

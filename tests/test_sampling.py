@@ -1,5 +1,6 @@
-"""Tests for tinyserve.sampling: parameter validation, masks and penalties against per-row
-references, counter-based RNG (reproducibility, distribution), greedy, logprobs, dtypes."""
+"""Tests for tinyserve.sampling_params (parameter validation) and tinyserve.sampling: masks and
+penalties against per-row references, counter-based RNG (reproducibility, distribution), greedy,
+logprobs, dtypes."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import pytest
 import torch
 
 from tinyserve.sampling import (
-    InvalidParameter,
-    SamplingParams,
     SamplingRow,
     SamplingTensors,
     apply_min_p,
@@ -22,6 +21,7 @@ from tinyserve.sampling import (
     counter_uniform,
     sample,
 )
+from tinyserve.sampling_params import InvalidParameter, SamplingParams
 
 # --------------------------------------------------------------------------- validation
 

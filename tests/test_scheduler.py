@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinyserve.block_pool import BlockPool
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling_params import SamplingParams
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import Sequence, SequenceStatus
 

@@ -235,6 +235,7 @@ def with_replayed_verify_graphs(llm):
     """The runner's graph path for MTP steps on the CPU: decode and verify DecodeGraphs with
     capture=False (their static-buffer forwards run eagerly), and the verify set's drafting
     run on the same static buffers after each replay, as the GPU's drafting graph is."""
+    from tinyserve.draft_graphs import DraftGraphs
     from tinyserve.graphs import DecodeGraphs
 
     r = llm.engine.runner
@@ -242,7 +243,7 @@ def with_replayed_verify_graphs(llm):
     r.graphs = DecodeGraphs(*args, capture=False)
     r.verify_graphs = DecodeGraphs(*args, query_len=r.config.num_speculative_tokens + 1,
                                    capture=False)  # fmt: skip
-    r.verify_graphs.capture_drafts(r.draft_tokens)
+    r.draft_graphs = DraftGraphs(r.verify_graphs, r.drafter.draft_tokens)
     return llm
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 _EXPORTS = {
     "LLM": "tinyserve.llm",
-    "SamplingParams": "tinyserve.sampling",
-    "InvalidParameter": "tinyserve.sampling",
+    "SamplingParams": "tinyserve.sampling_params",
+    "InvalidParameter": "tinyserve.sampling_params",
     "RequestOutput": "tinyserve.outputs",
     "CompletionOutput": "tinyserve.outputs",
     "AsyncEngine": "tinyserve.async_engine",

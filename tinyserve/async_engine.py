@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tinyserve.config import EngineConfig
 from tinyserve.engine import LLMEngine
 from tinyserve.outputs import RequestOutput
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling_params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):

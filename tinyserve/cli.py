@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from tinyserve.sampling import InvalidParameter
+from tinyserve.sampling_params import InvalidParameter
 
 
 @click.group()
@@ -86,7 +86,7 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     """Stream one completion of PROMPT to stdout."""
     from tinyserve.config import EngineConfig
     from tinyserve.engine import LLMEngine
-    from tinyserve.sampling import SamplingParams
+    from tinyserve.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyserve.block_pool import BlockPool
-from tinyserve.config import EngineConfig, ModelConfig
+from tinyserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.pending import PendingStep
 from tinyserve.runner import ModelRunner
-from tinyserve.sampling import InvalidParameter, SamplingParams, SamplingRow
+from tinyserve.sampling import SamplingRow
+from tinyserve.sampling_params import InvalidParameter, SamplingParams
 from tinyserve.scheduler import ScheduledBatch, Scheduler
 from tinyserve.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.spec_decode import NgramProposer, SpecStats
@@ -32,17 +33,6 @@ _SEED_MASK = (1 << 63) - 1
 
 
 LANE_IDLE_S = 0.001  # a step with nothing to run but prefill-lane chunks in flight sleeps this
-
-
-def _needs_token_values(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-
-
-def _needs_output_count(p: SamplingParams) -> bool:
-    """Sampling that reads on the host how many tokens a row has emitted (the min_tokens stop
-    mask): not known there while drafts are being verified. (The RNG counter moves on the
-    device: runner._step_shift.)"""
-    return p.min_tokens > 0
 
 
 @dataclass(slots=True)
@@ -70,18 +60,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        # Decode is bound by reading weights: bf16 halves the bytes, and oneDNN runs bf16
-        # matmuls natively on CPUs with AVX-512 BF16 / AMX (measured: BENCHMARKS.md, CPU).
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-    # NOTE: fp32 checkpoints run in bf16 on the GPU, as vLLM does for 'auto'.
-    cfg = model_config.torch_dtype
-    return torch.float16 if cfg == "float16" else torch.bfloat16
 
 
 def _token_ids(prompt, vocab: int) -> list[int]:
@@ -275,7 +253,7 @@ class LLMEngine:
 
     def _needs_sync(self, p: SamplingParams) -> bool:
         spec = bool(self.num_speculative_tokens)
-        return _needs_token_values(p) or (spec and _needs_output_count(p))
+        return p.needs_token_values or (spec and p.needs_output_count)
 
     def _can_overlap(self) -> bool:
         """The overlapped loop needs every next input computable on the device: not with
@@ -374,7 +352,7 @@ class LLMEngine:
         p = seq.params
         drafts = seq.draft_ids
         # Copying token lists every step costs O(context) per row: only penalties need them.
-        if _needs_token_values(p):
+        if p.needs_token_values:
             out = seq.output_ids
             return [SamplingRow(p, seq.seed, seq.prompt_ids, out + drafts[:j])
                     for j in range(len(drafts) + 1)]  # fmt: skip

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tinyserve.metrics import SeqTimes
 from tinyserve.outputs import RequestOutput
 from tinyserve.responses import usage
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tinyserve.server import ServerState

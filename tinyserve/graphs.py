@@ -105,7 +105,7 @@ class DecodeGraphs:
             self.logits = torch.empty(1 if prefill else n * q, model.lm_head.weight.shape[0],
                                       dtype=torch.float32, device=dev)  # fmt: skip
         # Verify graphs of one size (one per split count) leave their hidden states here, where
-        # the size's one drafting graph (`capture_drafts`) reads them.
+        # the size's one drafting graph (`draft_graphs.py`) reads them.
         w = model.lm_head.weight
         self.hidden = None if prefill or mixed or q == 1 else torch.empty(
             n * q, w.shape[1], dtype=w.dtype, device=dev)  # fmt: skip
@@ -119,7 +119,7 @@ class DecodeGraphs:
         # Shared-prefix (cascade) graphs: keyed (bs, True) beside the plain (bs, False) ones.
         # Their inputs: one int32 buffer of the shared lengths (n), then the chunks (n / 2 rows
         # of 1 + R; a plan needing more chunks leaves groups out), unused ones all -1.
-        from tinyserve.kernels.decode_attention import shared_prefix_rows
+        from tinyserve.kernels.shared_prefix_attention import shared_prefix_rows
 
         self.shared_rows = shared_prefix_rows(attn.num_heads, attn.num_kv_heads)
         self.shared_sizes = [s for s in self.sizes if s >= SHARED_MIN_BATCH] if (
@@ -137,10 +137,11 @@ class DecodeGraphs:
         # key -> (hidden, logits) and what the captured graph reads
         self.outputs: dict[tuple[int, bool, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
         self.metadata: dict[tuple[int, bool, int | None], AttentionMetadata] = {}
+        self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
         if not capture:
             return
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            for key in self._keys(bs):
+            for key in self.keys(bs):
                 self._run(*key)  # warm-up: Triton compiles outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
@@ -148,7 +149,7 @@ class DecodeGraphs:
                     self.outputs[key] = self._run(*key)
                 pool = graph.pool()
                 self.graphs[key] = graph
-        self.pool = pool  # shared with the next capture (verify graphs reuse this memory)
+        self.pool = pool
 
     def _num_splits(self, bs: int, max_context_len: int | None = None) -> int | None:
         if self.prefill:
@@ -162,7 +163,7 @@ class DecodeGraphs:
         shape = (bs, self.max_num_seqs, self.num_kv_heads, self.max_len, self.buffer.device)
         return graph_shapes.decode_tiling(*shape, splits)
 
-    def _keys(self, bs: int) -> list[tuple[int, bool, int | tuple[int, int] | None]]:
+    def keys(self, bs: int) -> list[tuple[int, bool, int | tuple[int, int] | None]]:
         full, longest = self._num_splits(bs), self._num_splits(bs, self.max_len)
         long = [longest] if full is not None and longest > full else []  # a long row's count
         if self.mixed:  # the third entry: (the decode rows' splits, the chunk's key splits)
@@ -180,7 +181,7 @@ class DecodeGraphs:
         m, seqs = (bs + chunk, bs + 1) if chunk else (bs * self.query_len, bs)
         return m, seqs, 4 * m + seqs + -(-seqs // 2) + (-(-(seqs + 1) // 2) if chunk else 0)
 
-    def _fields(self, bs: int) -> list[torch.Tensor]:
+    def fields(self, bs: int) -> list[torch.Tensor]:
         """Views of the buffer for padded size bs: ids, gather, positions, slots, logits rows
         (int64), then the context lengths and (mixed) the query starts as int32 (the kernels'
         dtype: no conversion)."""
@@ -196,7 +197,7 @@ class DecodeGraphs:
              host_ctx: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The captured forward; `host_ctx`: the context lengths on the host, which only an
         eager replay (capture=False) can use (the CPU attention needs them)."""
-        _, gather, positions, slots, rows, ctx, cu = self._fields(bs)
+        _, gather, positions, slots, rows, ctx, cu = self.fields(bs)
         if self.mixed:
             md = self._mixed_metadata(bs, splits, slots, ctx, cu, host_ctx or [])
         else:
@@ -259,80 +260,6 @@ class DecodeGraphs:
             chunk=(bs, self.chunk_cu),
         )
 
-    def capture_drafts(self, draft_tokens) -> None:
-        """Capture what follows a verify replay, per padded batch size: the accepted counts
-        (from the replay's tokens in `last_sampled`, the staged drafts and the forced count)
-        and `draft_tokens` (the runner's MTP drafting), so a verify step runs no eager kernel
-        between its two graphs. Padded rows own no KV slots (limit 0, no drafts): their chained
-        drafts write the scratch slot. With capture=False the same runs eagerly."""
-        from tinyserve.kernels.spec_accept import accept
-
-        n, q, dev = self.sizes[-1], self.query_len, self.buffer.device
-        self.draft_next = torch.full((n * q,), -1, dtype=torch.long, device=dev)
-        self.limits = torch.zeros(n, dtype=torch.long, device=dev)
-        self.force = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: not forced
-        # The accepted counts live outside the graph pool: the next step's sampling reads them
-        # (seeded counters) after the next verify replay, whose scratch the pool may reuse.
-        self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        self.staged_force: int | None = None
-        self.seg_starts = torch.arange(0, n * q, q, device=dev)
-        self.draft_graphs: dict[int, tuple] = {}  # bs -> (graph, outs), or (None, run) eagerly
-        pool = getattr(self, "pool", None)
-        for bs in reversed(self.sizes):
-            key = self._keys(bs)[0]  # any split count's: they share inputs and `hidden`
-
-            def run(bs=bs, key=key) -> tuple[torch.Tensor, torch.Tensor]:
-                # A verify step samples every row: its tokens are the MTP layer's next ids.
-                sampled, starts = self.last_sampled[: bs * q], self.seg_starts[:bs]
-                accepted = accept(sampled, self.draft_next[: bs * q], starts, q, self.force,
-                                  out=self.accepted[:bs])  # fmt: skip
-                drafts = draft_tokens(self.metadata[key], self._fields(bs)[2],
-                                      self.outputs[key][0], sampled, starts + accepted,
-                                      self.block_tables[:bs], self.limits[:bs],
-                                      None)  # fmt: skip
-                return accepted, drafts
-
-            if not self.capture:  # `draft` runs it after the eager replay (the CPU tests)
-                self.draft_graphs[bs] = (None, run)
-                continue
-            run()  # warm-up outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outs = run()
-            pool = graph.pool()
-            self.draft_graphs[bs] = (graph, outs)
-        self.pool = pool
-
-    def stage_drafts(self, draft_next: torch.Tensor, limits: torch.Tensor,
-                     force: int | None) -> torch.Tensor:  # fmt: skip
-        """Before a verify replay: copy the drafts it verifies (R,) and the KV limits (B,) in,
-        and the forced count where it changed (benchmarks); returns the drafts' static view,
-        which the shift of the step in flight then edits in place."""
-        b, q, r = limits.shape[0], self.query_len, draft_next.shape[0]
-        bs = round_up(self.sizes, b)
-        self.draft_next[:r].copy_(draft_next)
-        self.limits[:b].copy_(limits)
-        if b < bs:  # padded rows: no drafts, no KV
-            self.draft_next[r : bs * q].fill_(-1)
-            self.limits[b:bs].zero_()
-        if force != self.staged_force:
-            self.force.fill_(-1 if force is None else force)
-            self.staged_force = force
-        return self.draft_next[:r]
-
-    def draft(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """After the verify replay of b rows: replay the accept-and-draft graph of its size
-        (`last_sampled` must hold the step's tokens); (B,) accepted counts, valid until the
-        next drafting replay, and (B, k) drafts, valid only until the next verify replay (they
-        sit in the graph pool, which that replay's scratch may reuse)."""
-        graph, outs = self.draft_graphs[round_up(self.sizes, b)]
-        if graph is None:  # capture=False: `outs` is the run itself
-            outs = outs()
-        else:
-            graph.replay()
-        return outs[0][:b], outs[1][:b]
-
     def _copy_shared_plan(self, tables: np.ndarray, ctx: np.ndarray, bs: int, pin: bool) -> bool:
         """Plan this step's shared prefixes; if worth it, copy the plan to the shared graph's
         inputs (padded rows and unused chunks: none) and say so."""
@@ -387,7 +314,7 @@ class DecodeGraphs:
         host_tables = host_array(tables, torch.int32, pin)
         self.block_tables[:b, : tables.shape[1]].copy_(host_tables, non_blocking=True)
         if fix is not None:
-            ids, _, dev_positions, dev_slots, _, dev_ctx, _ = self._fields(bs)
+            ids, _, dev_positions, dev_slots, _, dev_ctx, _ = self.fields(bs)
             fix(ids, dev_positions, dev_slots, dev_ctx, self.block_tables[:bs])
             if not self.capture:  # the CPU attention reads host lengths
                 host_ctx = dev_ctx[:b].tolist()

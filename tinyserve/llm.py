@@ -9,7 +9,7 @@ from tqdm import tqdm
 from tinyserve.config import EngineConfig
 from tinyserve.engine import LLMEngine
 from tinyserve.outputs import RequestOutput
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]  # or a 1-D numpy array or tensor of ids
 Message = dict[str, str]

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tinyserve.sampling import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 
 MAX_N = 16  # choices per prompt; each one is a sequence in the batch
 MAX_PROMPTS = 16  # prompts in one /v1/completions batch

@@ -22,34 +22,18 @@ from tinyserve.kernels.prefill_attention import (
 from tinyserve.kernels.sampling import argmax, sample_race
 from tinyserve.kernels.spec_accept import accept
 from tinyserve.kernels.spec_shift import shift_inputs
-from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
+from tinyserve.layers.attention import Attention, forward_context
 from tinyserve.loader import load_model
+from tinyserve.mtp_drafter import MtpDrafter
 from tinyserve.pending import PendingStep, to_host
-from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, sample
+from tinyserve.prefill_lane import build_lane
+from tinyserve.sampling import SampleResult, SamplingRow, SamplingTensors, plain_greedy, sample
 from tinyserve.scheduler import ScheduledBatch
 from tinyserve.spec_decode import load_token_map
 from tinyserve.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
 from tinyserve.transfer import to_device
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
-# The prefill lane's default chunk (config.prefill_lane_tokens). H100, 64 streams beside a 32k
-# prompt, half the SMs kept: llama-3.1-8b TTFT 3.72 s with 4096-token chunks, 4.00 s with 2048
-# (ITL p99 alike); qwen3-0.6b alike with both.
-LANE_TOKENS = 4096
-
-
-def _plain_greedy(rows: list[SamplingRow]) -> bool:
-    """Rows whose token is the plain argmax of the logits: greedy, nothing that changes the
-    logits (bias, penalties, the min_tokens stop mask) and no logprobs."""
-    for row in rows:
-        p = row.params
-        if not p.is_greedy or p.logprobs is not None or p.logit_bias:
-            return False
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            return False
-        if row.num_output_tokens < p.min_tokens:
-            return False
-    return True
 
 
 class ModelRunner:
@@ -89,12 +73,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._compile_prefill_attention()
             self._compile_sampling()
+        self.drafter = None if self.mtp is None else MtpDrafter(
+            self.mtp, config.num_speculative_tokens, self.block_size, self.num_kv_blocks,
+            mc.max_position_embeddings - 1)  # fmt: skip
         limit = min(config.max_model_len or 1 << 30, mc.max_position_embeddings)
         self.max_blocks_per_seq = -(-limit // self.block_size)
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.draft_graphs = None
         self.prefill_graphs: dict[int, object] = {}  # padded length -> one-sequence graphs
         self.mixed_graphs: dict[int, object] = {}  # padded chunk -> decode rows + that chunk
         if self.device.type == "cuda" and not config.enforce_eager:
+            from tinyserve.draft_graphs import DraftGraphs
             from tinyserve.graphs import DecodeGraphs
 
             args = (self.model, config.max_num_seqs, self.max_blocks_per_seq, self.num_kv_blocks,
@@ -105,41 +93,9 @@ class ModelRunner:
             if config.speculative_method is not None:  # the verify step: last token + k drafts
                 q = config.num_speculative_tokens + 1
                 self.verify_graphs = DecodeGraphs(*args, query_len=q, pool=self.graphs.pool)
-                if self.mtp is not None:  # the MTP head's drafts after a verify replay, too
-                    self.verify_graphs.capture_drafts(self.draft_tokens)
-        self.lane = self._prefill_lane()
-
-    def _prefill_lane(self):
-        """The prefill lane (prefill_lane.py), or None: not with an MTP head (the lane runs no
-        MTP layer); by default only where it runs beside the steps (a GPU with graphs and green
-        contexts). Set explicitly without them, its chunks run eagerly in the step loop."""
-        from tinyserve.prefill_lane import PrefillLane, default_reserve_sms, lane_stream
-
-        cfg = self.config
-        explicit, chunk = cfg.prefill_lane_tokens is not None, cfg.prefill_lane_tokens
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager
-        if self.mtp is not None or chunk == 0 or (not explicit and not graphs):
-            return None
-        chunk = chunk or LANE_TOKENS
-        # The lane takes prompts longer than a chunk and a step's budget, within the positions
-        # a block table holds; where none can be, there is no lane (its capture's positions
-        # would not fit the table or the rotary cache either).
-        if self.max_blocks_per_seq * self.block_size <= max(chunk, cfg.max_num_batched_tokens):
-            return None
-        stream = None
-        if graphs:
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            reserve = cfg.prefill_lane_reserve_sms
-            if not reserve:
-                weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-                reserve = default_reserve_sms(sms, weights)
-            if reserve >= sms:
-                raise ValueError(f"prefill_lane_reserve_sms={reserve}: the GPU has {sms} SMs")
-            stream = lane_stream(reserve, self.device.index or 0)
-            if stream is None and not explicit:
-                return None  # no green contexts: eager chunks would stall the steps
-        return PrefillLane(self.model, chunk, self.max_blocks_per_seq, self.block_size,
-                           self.num_kv_blocks, stream)  # fmt: skip
+                if self.drafter is not None:  # the MTP head's drafts after a verify replay, too
+                    self.draft_graphs = DraftGraphs(self.verify_graphs, self.drafter.draft_tokens)
+        self.lane = build_lane(self.model, config, self.max_blocks_per_seq, self.num_kv_blocks)
 
     def _compile_prefill_attention(self) -> None:
         """Compile every prefill-kernel variant eager steps can take (each tile, one pass and
@@ -313,8 +269,8 @@ class ModelRunner:
         graphed = self.mtp is not None and graphs is not None and graphs is self.verify_graphs
         draft_next = x.draft_next if x is not None else None
         if graphed:
-            draft_next = graphs.stage_drafts(x.draft_next, x.kv_limits,
-                                             self.config.spec_force_accept)  # fmt: skip
+            draft_next = self.draft_graphs.stage(x.draft_next, x.kv_limits,
+                                                 self.config.spec_force_accept)  # fmt: skip
         if x is not None and x.shift is not None:  # tokens of the MTP step in flight
 
             def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
@@ -345,7 +301,7 @@ class ModelRunner:
                 hidden, all_logits = self.model(x.input_ids, x.positions), None
         if not h.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
             if self.mtp is not None:
-                self._mtp_first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
+                self.drafter.first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
             return PendingStep([], rows)
         assert len(rows) == len(h.logits_idx)
         # The graph's logits rows are the sampled rows: every token sampled, or a prefill
@@ -361,7 +317,7 @@ class ModelRunner:
                 logits = all_logits[idx]
             else:
                 logits = self.model.compute_logits(hidden[idx])  # (R, V) float32
-        if graph_rows and _plain_greedy(rows):
+        if graph_rows and plain_greedy(rows):
             # The graph's own argmax is exactly what `sample` would compute (verify graphs too:
             # the next step reads it, on the device, before the next replay rewrites it).
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
@@ -381,7 +337,7 @@ class ModelRunner:
             if sampled.data_ptr() != own.data_ptr():
                 own.copy_(sampled)
             sampled = own
-            accepted, drafts = graphs.draft(len(x.seg_starts))
+            accepted, drafts = self.draft_graphs.draft(len(x.seg_starts))
         elif x is not None and x.draft_next is not None:
             accepted = accept(sampled, x.draft_next, x.seg_starts,
                               self.config.num_speculative_tokens + 1,
@@ -390,7 +346,7 @@ class ModelRunner:
         if last is not None and sampled.data_ptr() != last.data_ptr() and len(rows) <= len(last):
             last[: len(rows)].copy_(sampled)  # where the next graph step gathers its inputs
         if self.mtp is not None and not graphed:
-            drafts = self._mtp_drafts(x, hidden, sampled, accepted)
+            drafts = self.drafter.drafts(x, hidden, sampled, accepted)
         step = PendingStep(h.seg_starts, rows, sampled)
         if self.mtp is not None:  # the next step may start from these on the device
             step.seg_dev, step.accepted, step.drafts = x.seg_starts, accepted, drafts
@@ -410,67 +366,6 @@ class ModelRunner:
         _, seq, _, _, _, logit = shift
         steps = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         return steps.index_add_(0, logit, prev.num_accepted()[seq])  # each shifted row, once
-
-    def _mtp_first_pass(self, md: AttentionMetadata, positions: torch.Tensor,
-                        hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The MTP layer over every token of the step, at the target's positions and slots:
-        writes its KV (entry i from target hidden h_i and token t_{i+1}), returns its output."""
-        with forward_context(md):
-            return self.mtp(next_ids, hidden, positions, target_hidden=True)
-
-    def _mtp_drafts(self, x: StepInputs, hidden: torch.Tensor, sampled: torch.Tensor,
-                    accepted: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        """k drafts per sampling sequence (S, k), on the device, after an eager forward or a
-        decode graph (a verify graph drafts in its own graph: `DecodeGraphs.draft`)."""
-        next_ids = x.next_ids.index_put((x.idx,), sampled)  # sampled tokens follow logits rows
-        if accepted is None:
-            accepted = torch.zeros_like(x.seg_starts)
-        chosen = x.idx[x.seg_starts] + accepted  # token index of the last verified position
-        tables = x.metadata.block_tables[x.sample_rows]  # (S, W)
-        return self.draft_tokens(x.metadata, x.positions, hidden, next_ids, chosen, tables,
-                                 x.kv_limits, x.max_kv_limit)  # fmt: skip
-
-    def draft_tokens(self, md: AttentionMetadata, positions: torch.Tensor, hidden: torch.Tensor,
-                     next_ids: torch.Tensor, chosen: torch.Tensor, tables: torch.Tensor,
-                     limits: torch.Tensor, max_kv_limit: int | None) -> torch.Tensor:  # fmt: skip
-        """The MTP head over the step's tokens (writing its KV), then k drafts per sequence: the
-        first from the entry at the last verified position `chosen` (whose next token is the one
-        just sampled), the others chaining the head on its own output one position further,
-        writing KV into the row's lookahead slots (`limits`; rewritten once verified). Device
-        tensors only, no host reads: the verify graph captures this too."""
-        out = self._mtp_first_pass(md, positions, hidden, next_ids)
-        h = out[chosen]
-        token = self.mtp.draft(h)
-        k = self.config.num_speculative_tokens
-        if k == 1:  # no chain: skip its setup (two kernels a verify step)
-            return token[:, None]
-        drafts = [token]
-        bs, num = self.block_size, chosen.shape[0]
-        pos = positions[chosen]
-        max_pos = self.model_config.max_position_embeddings - 1
-        scratch = self.num_kv_blocks * bs
-        cu = torch.arange(num + 1, dtype=torch.int32, device=self.device)
-        for _ in range(1, k):
-            pos = pos + 1
-            valid = pos < limits  # past the lookahead slots: write to the scratch slot
-            p = torch.minimum(pos, limits - 1).clamp(min=0)
-            col = (p // bs).clamp(max=tables.shape[1] - 1)[:, None]
-            slots = tables.gather(1, col).squeeze(1).long() * bs + p % bs
-            chain = AttentionMetadata(
-                slot_mapping=torch.where(valid, slots, scratch),
-                block_tables=tables,
-                cu_seqlens_q=cu,
-                context_lens=(p + 1).to(torch.int32),
-                query_lens_cpu=[1] * num,
-                context_lens_cpu=[],
-                max_context_len=max_kv_limit or 0,
-                is_decode_only=True,
-            )
-            with forward_context(chain):
-                h = self.mtp(token, h, pos.clamp(max=max_pos), target_hidden=False)
-            token = self.mtp.draft(h)
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs."""

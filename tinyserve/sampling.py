@@ -1,4 +1,4 @@
-"""Sampling parameters (validated, vLLM names) and the batched sampler.
+"""The batched sampler.
 
 `SamplingTensors.build` turns per-row host state into device tensors once per step; `sample` runs
 penalties -> temperature -> top-k -> top-p -> min-p -> exponential race on the device with no host
@@ -10,126 +10,16 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from tinyserve.sampling_params import SamplingParams
 from tinyserve.transfer import packed_to_device
-
-MAX_LOGPROBS = 20
-_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below this is greedy
-
-
-class InvalidParameter(ValueError):
-    """A client-controlled value is out of range; `.param` names the field (OpenAI's `param`)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _invalid(param: str, allowed: str, value: object) -> InvalidParameter:
-    shown = repr(value)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    return InvalidParameter(param, f"{param} must be {allowed}, got {shown}")
-
-
-def _real(param: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
-    # bool is an int subclass; `temperature=True` is a client bug, not 1.0.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _invalid(param, allowed, value)
-    if not math.isfinite(x := float(value)) or not ok(x):
-        raise _invalid(param, allowed, value)
-    return x
-
-
-def _int(param: str, value: object, allowed: str, ok: Callable[[int], bool]) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
-        raise _invalid(param, allowed, value)
-    return int(value)
-
-
-_REAL_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "temperature": ("a finite number >= 0", lambda x: x >= 0),
-    "top_p": ("a number in (0, 1]", lambda x: 0 < x <= 1),
-    "min_p": ("a number in [0, 1]", lambda x: 0 <= x <= 1),
-    "presence_penalty": ("a number in [-2, 2]", lambda x: -2 <= x <= 2),
-    "frequency_penalty": ("a number in [-2, 2]", lambda x: -2 <= x <= 2),
-    "repetition_penalty": ("a finite number > 0", lambda x: x > 0),
-}
-_INT_RULES: dict[str, tuple[str, Callable[[int], bool]]] = {
-    "n": ("an integer >= 1", lambda x: x >= 1),
-    "top_k": ("0 or -1 (off) or an integer >= 1", lambda x: x >= -1),
-    "seed": ("an integer or null", lambda x: True),
-    "max_tokens": ("an integer >= 1 or null", lambda x: x >= 1),
-    "min_tokens": ("an integer in [0, max_tokens]", lambda x: x >= 0),
-    "logprobs": (f"an integer in [0, {MAX_LOGPROBS}] or null", lambda x: 0 <= x <= MAX_LOGPROBS),
-}
-_NULLABLE = ("seed", "max_tokens", "logprobs")
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off (normalized to 0)
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None  # normalized to list[str]
-    stop_token_ids: list[int] | None = None  # normalized to list[int]
-    max_tokens: int | None = 16  # None: up to the context limit (the engine resolves it)
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-
-    def __post_init__(self) -> None:
-        _check_logit_bias(self)
-        for name, (allowed, ok) in _REAL_RULES.items():
-            setattr(self, name, _real(name, getattr(self, name), allowed, ok))
-        for name, (allowed, ok) in _INT_RULES.items():
-            value = getattr(self, name)
-            if value is not None or name not in _NULLABLE:
-                setattr(self, name, _int(name, value, allowed, ok))
-        self.top_k = max(self.top_k, 0)  # -1 and 0 both mean off
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _invalid("min_tokens", "an integer in [0, max_tokens]", self.min_tokens)
-        self.stop = self._stop_list(self.stop)
-        self.stop_token_ids = self._stop_token_id_list(self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise _invalid(name, "a boolean", getattr(self, name))
-
-    @staticmethod
-    def _stop_list(stop: object) -> list[str]:
-        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
-            raise _invalid("stop", "a non-empty string or a list of non-empty strings", stop)
-        return list(stops)
-
-    @staticmethod
-    def _stop_token_id_list(ids: object) -> list[int]:
-        ids = [] if ids is None else ids
-        if not isinstance(ids, list | tuple) or not all(
-            not isinstance(i, bool) and isinstance(i, numbers.Integral) and i >= 0 for i in ids
-        ):
-            raise _invalid("stop_token_ids", "a list of non-negative integers", ids)
-        return [int(i) for i in ids]
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
 
 
 @dataclass(slots=True)
@@ -147,22 +37,16 @@ class SamplingRow:
         return len(self.output_ids) if self.step is None else self.step
 
 
-def _check_logit_bias(p: SamplingParams) -> None:
-    """Normalize logit_bias to {int id: float clamped to [-100, 100]}; ids < vocab are checked
-    by the engine, which knows the vocabulary."""
-    if p.logit_bias is None:
-        return
-    if not isinstance(p.logit_bias, dict):
-        raise _invalid("logit_bias", "a dict of token id -> number", p.logit_bias)
-    clean = {}
-    for k, v in p.logit_bias.items():
-        k = int(k) if isinstance(k, str) and k.isdigit() else k
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise _invalid("logit_bias", "keyed by non-negative token ids", k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise _invalid("logit_bias", "finite numbers", v)
-        clean[k] = min(100.0, max(-100.0, float(v)))  # OpenAI's range, clamped as vLLM does
-    p.logit_bias = clean or None
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Rows whose token is the plain argmax of the logits: greedy, nothing that changes the
+    logits (bias, penalties, the min_tokens stop mask) and no logprobs."""
+    for row in rows:
+        p = row.params
+        if not p.is_greedy or p.logprobs is not None or p.logit_bias:
+            return False
+        if p.needs_token_values or row.num_output_tokens < p.min_tokens:
+            return False
+    return True
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling_params import SamplingParams
 
 # A token sampled by the step in flight, not read back yet (the overlapped step loop): the next
 # step takes its value from the device, the engine fills it in when the results arrive.

@@ -31,7 +31,7 @@ from tinyserve.middleware import PUBLIC_ROUTE, cors_headers, errors, gate, json_
 from tinyserve.outputs import RequestOutput
 from tinyserve.protocol import APIError, GenerateRequest, ModelInfo
 from tinyserve.responses import DONE, ResponseBuilder, sse
-from tinyserve.sampling import InvalidParameter
+from tinyserve.sampling_params import InvalidParameter
 from tinyserve.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("tinyserve.server")
