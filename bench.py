@@ -813,6 +813,7 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane
            "prefill_lane_tokens": lane.chunk if lane else 0,
            "prefill_lane_on_stream": bool(lane and lane.stream is not None),
            "prefill_lane_chunks": lane.num_launched if lane else 0,
+           "prefill_lane_reserve_sms": lane.reserve_sms if lane else 0,
            "itl_median_ms_beside_long_row": 1e3 * _pct(beside, 0.5)}  # fmt: skip
     row["itl_p99_ratio"] = row["itl_p99_ms_during"] / row["itl_median_ms_without"]
     row["itl_p99_ratio_vs_before"] = row["itl_p99_ms_during"] / row["itl_median_ms_before"]

@@ -212,3 +212,19 @@ def test_default_reserve_leaves_half_the_sms_to_small_models_and_3_8_to_large_on
     assert default_reserve_sms(132, weight_bytes=1_200_000_000) == 66  # qwen3-0.6b
     assert default_reserve_sms(132, weight_bytes=16_000_000_000) == 50  # llama-3.1-8b
     assert default_reserve_sms(78, weight_bytes=16_000_000_000) == 30
+    # The H100's copy rate (where 3/8 was measured) or less: the same count.
+    assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=2.9e12) == 50
+    assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=1.0e12) == 50
+
+
+def test_default_reserve_grows_with_the_memory_rate_for_large_models():
+    """The kept SMs must pull the decode's weight stream within the ITL budget of a control step
+    that a faster memory makes shorter: H200 (same 132 SMs, ~4.3 TB/s copy), llama-3.1-8b,
+    ITL p99 / TTFT ratios 2.43x / 1.71x with 50 kept, 2.31x / 1.82x with 58, 1.89x / 2.06x
+    with 66. Never more than half: small models' rule."""
+    from tinyserve.prefill_lane import default_reserve_sms
+
+    assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=4.3e12) == 66
+    assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=3.6e12) == 60
+    assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=9e12) == 66
+    assert default_reserve_sms(132, 1_200_000_000, copy_bytes_per_s=4.3e12) == 66

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections import deque
 
 import torch
@@ -53,12 +54,13 @@ def lane_stream(reserve_sms: int, device_index: int) -> torch.cuda.Stream | None
 class PrefillLane:
     def __init__(self, model, chunk: int, max_blocks_per_seq: int, block_size: int,
                  scratch_block: int, stream: torch.cuda.Stream | None,
-                 depth: int = 2) -> None:  # fmt: skip
-        """`stream`: `lane_stream`'s, or None to run chunks eagerly."""
+                 depth: int = 2, reserve_sms: int = 0) -> None:  # fmt: skip
+        """`stream`: `lane_stream`'s, or None to run chunks eagerly; `reserve_sms`: the SMs
+        its green context leaves to the steps (reported by bench.py)."""
         dev = next(model.parameters()).device
         self.model, self.chunk, self.block_size, self.depth = model, chunk, block_size, depth
         self.scratch_block = scratch_block
-        self.stream = stream
+        self.stream, self.reserve_sms = stream, reserve_sms
         # Static inputs: the chunk's ids, then its first position, then the block table.
         self.inputs = torch.zeros(chunk + 1 + max_blocks_per_seq, dtype=torch.long, device=dev)
         # One pinned staging buffer per chunk in flight: the host fills the next one while
@@ -150,12 +152,16 @@ class PrefillLane:
 
 # Weights from which a model's decode step is bandwidth-bound enough to give the lane more SMs.
 LARGE_MODEL_BYTES = 4 << 30
+# The device copy rate (bytes read + written a second) of the H100 80GB HBM3 on which the large
+# models' 3/8 was measured: 2.9-3.0 TB/s.
+H100_COPY_BYTES_PER_S = 3.0e12
 
 
-def default_reserve_sms(num_sms: int, weight_bytes: int) -> int:
-    """SMs left to the decode steps while the lane runs. H100 (132 SMs), `bench.py prefix`'s
-    long-context row (64 streams, then a 32k prompt), ITL p99 during the prompt over a control
-    run's median / TTFT over the prompt alone:
+def default_reserve_sms(num_sms: int, weight_bytes: int,
+                        copy_bytes_per_s: float | None = None) -> int:  # fmt: skip
+    """SMs left to the decode steps while the lane runs. `bench.py prefix`'s long-context row
+    (64 streams, then a 32k prompt), ITL p99 during the prompt over a control run's median /
+    TTFT over the prompt alone, H100 (132 SMs):
     - qwen3-0.6b (1.2 GB): 66 kept 1.83-2.03x / 1.10x; 76 and 86 kept: p99 no lower, TTFT
       1.37x and 1.51x.
     - llama-3.1-8b (16 GB): 66 kept 1.63-1.70x / 2.14x; 56: 1.76x / 1.87x; 50: 1.85x / 1.74x;
@@ -163,11 +169,29 @@ def default_reserve_sms(num_sms: int, weight_bytes: int) -> int:
     A small model's decode step is hundreds of short kernels, and they need SMs. A large one
     streams its weights, which fewer SMs still pull at most of the memory's rate, while its
     prefill's time grows as 1 / its SMs. So: half the SMs under LARGE_MODEL_BYTES of weights,
-    3/8 from there. Sizes between 1.2 and 16 GB were not measured. No count meets the 1.3x
-    TTFT target on the 8B (ITL passes 2x first)."""
+    3/8 from there on an H100's memory. A faster memory shortens the control step but not
+    what each kept SM pulls, so the count grows with the copy rate, up to half: H200 (132 SMs,
+    ~4.3 TB/s), llama-3.1-8b, 50 kept 2.43x / 1.71x, 58: 2.31x / 1.82x, 66: 1.89x / 1.97-2.06x.
+    Sizes between 1.2 and 16 GB were not measured. No count meets the 1.3x TTFT target on the
+    8B: ITL passes 2x first."""
     if weight_bytes < LARGE_MODEL_BYTES:
         return num_sms // 2
-    return num_sms - num_sms * 5 // 8
+    scale = max(1.0, (copy_bytes_per_s or 0.0) / H100_COPY_BYTES_PER_S)
+    return min(num_sms // 2, math.ceil(num_sms * 3 / 8 * scale))
+
+
+def copy_bytes_per_s(device: torch.device) -> float:
+    """The device-to-device copy rate, timed once at start-up (ten 256 MiB copies, past L2)."""
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
 # The lane's default chunk (config.prefill_lane_tokens). H100, 64 streams beside a 32k prompt,
@@ -197,11 +221,12 @@ def build_lane(model, config, max_blocks_per_seq: int, num_kv_blocks: int) -> Pr
         reserve = config.prefill_lane_reserve_sms
         if not reserve:
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            reserve = default_reserve_sms(sms, weights)
+            rate = copy_bytes_per_s(device) if weights >= LARGE_MODEL_BYTES else None
+            reserve = default_reserve_sms(sms, weights, rate)
         if reserve >= sms:
             raise ValueError(f"prefill_lane_reserve_sms={reserve}: the GPU has {sms} SMs")
         stream = lane_stream(reserve, device.index or 0)
         if stream is None and not explicit:
             return None  # no green contexts: eager chunks would stall the steps
     return PrefillLane(model, chunk, max_blocks_per_seq, config.block_size, num_kv_blocks,
-                       stream)  # fmt: skip
+                       stream, reserve_sms=reserve if stream is not None else 0)  # fmt: skip
