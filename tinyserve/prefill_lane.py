@@ -171,9 +171,9 @@ def default_reserve_sms(num_sms: int, weight_bytes: int,
     prefill's time grows as 1 / its SMs. So: half the SMs under LARGE_MODEL_BYTES of weights,
     3/8 from there on an H100's memory. A faster memory shortens the control step but not
     what each kept SM pulls, so the count grows with the copy rate, up to half: H200 (132 SMs,
-    ~4.3 TB/s), llama-3.1-8b, 50 kept 2.43x / 1.71x, 58: 2.31x / 1.82x, 66: 1.89x / 1.97-2.06x.
-    Sizes between 1.2 and 16 GB were not measured. No count meets the 1.3x TTFT target on the
-    8B: ITL passes 2x first."""
+    ~4.3 TB/s), llama-3.1-8b, 50 kept 2.43x / 1.71x, 58: 2.31x / 1.82x, 66: 1.86-1.92x /
+    2.03-2.06x. Sizes between 1.2 and 16 GB were not measured. No count meets the 1.3x TTFT
+    target on the 8B: ITL passes 2x first."""
     if weight_bytes < LARGE_MODEL_BYTES:
         return num_sms // 2
     scale = max(1.0, (copy_bytes_per_s or 0.0) / H100_COPY_BYTES_PER_S)
