@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, next_pow2, num_sms, pdl, pdl_sync
+from ._common import check, next_pow2, pdl, pdl_sync
 
 # splitmix64 constants (uint64 literals); jit code reads globals only as tl.constexpr objects.
 _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
@@ -106,14 +106,16 @@ def sample_race(
     check(len({t.device for t in (x, keys, is_greedy) if t is not None}) == 1, "one device")
     greedy = is_greedy.view(torch.uint8) if is_greedy is not None else keys
     out = torch.empty(batch, dtype=torch.int64, device=x.device)
-    return _race(x, keys, greedy, out, num_chunks, 4, has_greedy=is_greedy is not None)
+    return _race(x, keys, greedy, out, num_chunks, has_greedy=is_greedy is not None)
 
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (B, V) float32 -> (B,) int64 ids of each row's maximum, into `out` if given: the first
     on ties (torch.argmax's rule); NaN never wins (torch's would). The race without the noise,
-    in chunks of two tiles. H100, CUDA-graph timed: 3.6 us against torch.argmax's 9.5 at 1 x
-    151,936 (and 1 x 32,768), 11.2 vs 14.1 at 16 rows; a tie (30 vs 30 us) at 64 rows."""
+    in chunks of two tiles (`_race`). H200, CUDA-graph timed, us at V = 151,680, torch.argmax
+    / ~2 programs an SM (before) / two-tile chunks: 1 row 8.3 / 2.6 / 2.6, 16 rows 12.8 / 10.3
+    / 5.5, 32 18.5 / 17.4 / 8.6, 64 25.6 / 28.9 / 13.7, 128 36.4 / 47.4 / 24.6; V = 32,768 (a
+    draft head) at 64 rows 12.7 / 8.6 / 5.3 (BENCHMARKS.md, thirty-fifth session)."""
     check(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, "x (B, V) float32")
     check(x.shape[1] < 2**31, "vocab too large")
     if out is None:
@@ -121,13 +123,17 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     check(out.shape == x.shape[:1] and out.dtype == torch.int64 and out.is_contiguous(),
           "out must be (B,) int64, contiguous")  # fmt: skip
     check(out.device == x.device, "x and out on one device")
-    return _race(x, out, out, out, None, 2, all_greedy=True)
+    return _race(x, out, out, out, None, all_greedy=True)
 
 
-def _race(x, keys, greedy, out, num_chunks: int | None, min_tiles: int, has_greedy: bool = False,
+def _race(x, keys, greedy, out, num_chunks: int | None, has_greedy: bool = False,
           all_greedy: bool = False) -> torch.Tensor:  # fmt: skip
     """Pass 1: the best (value, id) of each vocab chunk; pass 2: the best chunk's id, into out.
-    By default ~2 programs per SM over the batch, in chunks of at least `min_tiles` tiles.
+    By default chunks of two tiles, at any batch: a program's loop waits on each tile's load,
+    so the ~2 programs an SM over the batch this took before (chunks of 30 tiles at 64 rows of
+    151,680) left the memory idle. H200, CUDA-graph timed, sampled rows at V = 151,680, us,
+    those chunks / two tiles: 1 row 5.0 / 3.6, 16 21.2 / 12.3, 32 38.1 / 19.9, 64 49.6 / 36.6,
+    128 80.9 / 70.6 (BENCHMARKS.md, thirty-fifth session; the argmax's in `argmax`).
     all_greedy: a plain argmax (keys and greedy are placeholders, loaded but unused)."""
     batch, vocab = x.shape
     if batch == 0:
@@ -135,7 +141,7 @@ def _race(x, keys, greedy, out, num_chunks: int | None, min_tiles: int, has_gree
     block_v = min(1024, next_pow2(vocab))
     tiles = triton.cdiv(vocab, block_v)  # the most chunks: one tile each
     if num_chunks is None:
-        num_chunks = min(triton.cdiv(2 * num_sms(x.device), batch), triton.cdiv(tiles, min_tiles))
+        num_chunks = triton.cdiv(tiles, 2)
     num_chunks = max(1, min(num_chunks, tiles))
     chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
     num_chunks = triton.cdiv(vocab, chunk)

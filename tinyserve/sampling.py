@@ -271,10 +271,11 @@ def apply_min_p(logits: Tensor, t: SamplingTensors) -> Tensor:
 
 def greedy(x: Tensor, out: Tensor | None = None) -> Tensor:
     """x (B, V) float32 -> (B,) int64 argmax, the first maximum on ties, into `out` if given.
-    On CUDA up to 32 rows the two-pass Triton kernel: H100, 3.6 against torch's 9.5 us at 1 x
-    151,936, ~9 us of Qwen3-0.6B's 0.85 ms batch-1 graph; 11.2 vs 14.1 us at 16 rows. At 64
-    rows the two tie, and above, torch's reduction keeps large batches as they were."""
-    if x.is_cuda and x.shape[0] <= 32:
+    On CUDA the two-pass Triton kernel at any batch: H200, 2.6 against torch's 8.3 us at 1 x
+    151,680, 13.7 vs 25.6 at 64 rows, 24.6 vs 36.4 at 128 (`kernels.sampling.argmax`); steady
+    MiMo-7B steps, ms: plain batch 64 5.037 -> 5.025, MTP k=1 batch 32 5.091 -> 5.071, batch
+    64 5.948 -> 5.937 (it was torch's above 32 rows; BENCHMARKS.md, thirty-fifth session)."""
+    if x.is_cuda:
         from tinyserve.kernels.sampling import argmax
 
         return argmax(x, out)
