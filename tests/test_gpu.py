@@ -416,6 +416,38 @@ def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force
         assert all(outs[0][r][:-10] == outs[1][r][:-10] for r in outs[1])
 
 
+@pytest.mark.parametrize("force", [0, 1])
+def test_mtp_steps_after_start_up_compile_no_kernel(tmp_path, force):
+    """MTP verify steps after start-up, greedy and sampled, at batch sizes 1-9 and contexts
+    past 256 tokens, compile no Triton kernel (a compile stalls every stream for 0.2-1 s).
+    `test_steps_after_start_up_compile_no_kernel` covers plain steps on short prompts; the
+    thirty-fifth session's `bench.py spec` saw one ~1.2 s stall at MTP batch 2 over contexts of
+    up to 288 tokens (BENCHMARKS.md), which this is here to rule in or out."""
+    from triton import knobs
+
+    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=2, hidden_size=1024,
+                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
+                     max_position_embeddings=4096)  # fmt: skip
+    llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, speculative_method="mtp",
+              num_speculative_tokens=1, spec_force_accept=force)  # fmt: skip
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
+        (kw["fn"].name, kw["compile"]["constants"])
+    )
+    try:
+        kinds = [
+            SamplingParams(temperature=0, max_tokens=260, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=3, max_tokens=240, ignore_eos=True),
+        ]
+        for batch in (1, 2, 5, 9):
+            prompts = [[(7 * i + 3 * j) % 900 + 100 for j in range(32 + 9 * i)] + [batch]
+                       for i in range(batch)]  # fmt: skip
+            llm.generate(prompts, [kinds[i % 2] for i in range(batch)], use_tqdm=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
+
+
 def test_lm_head_writes_float32_accumulators(monkeypatch):
     """Above 64 rows (Qwen3's vocabulary) the LM head is cuBLAS writing float32 (torch >= 2.8):
     logits as exact as a float32 matmul of the same bf16 operands, into `out` or a new tensor;
