@@ -145,11 +145,10 @@ class DecodeGraphs:
                 self._run(*key)  # warm-up: Triton compiles outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=self.pool):
                     self.outputs[key] = self._run(*key)
-                pool = graph.pool()
+                self.pool = graph.pool()
                 self.graphs[key] = graph
-        self.pool = pool
 
     def _num_splits(self, bs: int, max_context_len: int | None = None) -> int | None:
         if self.prefill:
