@@ -76,7 +76,8 @@ def _attend_split(
 # The split count is a runtime argument, never specialized on (Triton would compile a variant
 # for 1 and for multiples of 16): the count follows each step's context length
 # (graph_shapes.decode_num_splits), and a variant compiled on first use mid-run stalls that step.
-@triton.jit(do_not_specialize=["num_splits", "min_split_len"])
+# So is the tables' width, which an eager step's longest row sets.
+@triton.jit(do_not_specialize=["num_splits", "min_split_len", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, skip_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2e, num_splits, min_split_len,

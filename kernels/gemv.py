@@ -73,6 +73,8 @@ def _stream_step(
     return acc, sum_sq
 
 
+# M (1 or 2 rows: gemv_method) stays specialized: eager steps add no variant the start-up warm-up
+# misses, and a constant M = 1 is what a batch-1 decode step runs.
 @triton.jit
 def _gemv_stream_kernel(
     x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -128,7 +130,9 @@ def _gemv_stream_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-@triton.jit
+# The row count M is never specialized on (Triton would compile a variant for 1 and for multiples
+# of 16): eager steps take any count, and a variant compiled mid-run stalls every stream.
+@triton.jit(do_not_specialize=["M"])
 def _gemv_dot_kernel(
     x_ptr, w_ptr, y_ptr, b_ptr, M, N, K, K_PER_SPLIT, ROWS, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -193,7 +197,7 @@ def _gemv_dot_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < end) & (m[None, :] < M))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # as the dot kernel
 def _split_reduce_kernel(
     p_ptr, y_ptr, b_ptr, M, N, stride_ym,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,

@@ -15,7 +15,7 @@ import triton.language as tl
 from ._common import FLOAT_DTYPES, check, next_pow2, pdl, pdl_sync
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # any count, one variant (as gemv.py's M)
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, num_rows, num_heads, N, eps,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,

@@ -19,7 +19,10 @@ import triton.language as tl
 from ._common import check, next_pow2
 
 
-@triton.jit
+# Counts vary by step: Triton would compile a variant for each int that is 1 or a multiple of 16
+# (a force of 1 became a constant, which failed to compile) and for each pointer's alignment.
+@triton.jit(do_not_specialize=["sampled_ptr", "draft_ptr", "starts_ptr", "acc_ptr", "num_rows",
+                             "num_segs", "force", "force_ptr"])  # fmt: skip
 def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, num_rows, num_segs, force,
                    force_ptr, BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr):  # fmt: skip
     s = tl.program_id(0)

@@ -21,10 +21,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, next_pow2
+from ._common import check
+
+_BLOCK = 256  # entries a program: one variant for every step size
 
 
-@triton.jit
+# Sizes vary by step: each int that is 1 or a multiple of 16, each pointer's 16-byte alignment
+# (graph buffers and eager inputs differ) and each block size compiled a variant mid-run (a
+# compile stalls every stream for 0.2-1 s).
+_UNSPECIALIZED = (
+    "tok_ptr", "seq_ptr", "j_ptr", "row_ptr", "num_ptr", "logit_ptr", "n", "acc_ptr",
+    "sampled_ptr", "seg_ptr", "drafts_ptr", "k", "ids_ptr", "pos_ptr", "slots_ptr", "ctx_ptr",
+    "tables_ptr", "stride_table", "draft_next_ptr",
+)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _shift_kernel(
     tok_ptr, seq_ptr, j_ptr, row_ptr, num_ptr, logit_ptr, n,
     acc_ptr, sampled_ptr, seg_ptr, drafts_ptr, k,
@@ -84,14 +96,13 @@ def spec_shift(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | Non
     if n == 0 or not (fix_inputs or draft_next is not None):
         return
     dummy = shift[0]
-    block = min(1024, next_pow2(n))
-    _shift_kernel[(triton.cdiv(n, block),)](
+    _shift_kernel[(triton.cdiv(n, _BLOCK),)](
         *shift, n, accepted if accepted is not None else dummy, sampled, seg_dev, drafts,
         drafts.shape[1], *(inputs if fix_inputs else (dummy,) * 5),
         tables.stride(0) if fix_inputs else 0, block_size,
         draft_next if draft_next is not None else dummy,
         HAS_ACC=accepted is not None, FIX_INPUTS=fix_inputs, FIX_DRAFTS=draft_next is not None,
-        BLOCK=block,
+        BLOCK=_BLOCK,
     )  # fmt: skip
 
 

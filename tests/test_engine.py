@@ -175,16 +175,16 @@ def test_start_up_compiles_every_prefill_tile_one_pass_and_split(smollm2_llm, mo
     would compile mid-step beside decoding streams and stall them all (1.76 s on an H100)."""
     from tinyserve.kernels.prefill_attention import prefill_tiles
 
-    import tinyserve.runner as runner_module
+    from tinyserve import warmup
 
     runner, launched = smollm2_llm.engine.runner, set()
 
     def record(*args, num_splits, block_m, block_n, num_warps, num_stages):
         launched.add(((block_m, block_n, num_warps, num_stages), num_splits))
 
-    monkeypatch.setattr(runner_module, "prefill_attention", record)
+    monkeypatch.setattr(warmup, "prefill_attention", record)
     monkeypatch.setattr(runner, "dtype", torch.bfloat16)  # two tiles (the GPU's bf16 choice)
-    runner._compile_prefill_attention()
+    warmup.compile_prefill_attention(runner)
     tiles = prefill_tiles(torch.bfloat16, runner.device)
     assert len(tiles) == 2
     assert launched == {(tile, splits) for tile in tiles for splits in (1, 2)}
@@ -205,9 +205,41 @@ def test_start_up_compiles_every_race_kernel_variant(smollm2_llm, monkeypatch):
 
     monkeypatch.setattr(kernel, "_race_chunk_kernel", Spy())
     monkeypatch.setattr(kernel, "_race_pick_kernel", Spy())
-    smollm2_llm.engine.runner._compile_sampling()
+    from tinyserve.warmup import compile_sampling
+
+    compile_sampling(smollm2_llm.engine.runner)
     chunk_launches = {flags for flags in launched if flags != (None, None)}
     assert chunk_launches == {(False, False), (False, True), (True, True)}
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_start_up_compiles_every_decode_kernel_variant(smollm2_llm, monkeypatch, k):
+    """Each decode-kernel variant an eager step can take (a graph compiles only its padded
+    size's): one pass or key splits, the short split's tile, a grid of at most two waves or
+    more (the early fetch), at one query a row and, with k drafts, at the verify step's k + 1;
+    and the merge's tile for up to 16, 32 and 64 splits."""
+    from tinyserve.kernels._common import next_pow2, num_sms
+
+    from tinyserve import warmup
+    from tinyserve.graph_shapes import SHORT_SPLIT_BLOCK_N
+
+    runner, kernels, merges = smollm2_llm.engine.runner, set(), set()
+    kv_heads = runner.model_config.num_key_value_heads
+
+    def record(q, k_cache, v_cache, table, lens, scale, *, num_splits, block_n, query_len):
+        batch = q.shape[0] // query_len
+        assert table.shape == (batch, 1) and (table == runner.num_kv_blocks).all()  # scratch
+        assert lens.tolist() == [query_len] * batch
+        waves = batch * kv_heads * num_splits > 2 * num_sms(q.device)
+        kernels.add((query_len, num_splits > 1, block_n, waves))
+        merges.add(max(16, next_pow2(num_splits)) if num_splits > 1 else None)
+
+    monkeypatch.setattr(warmup, "decode_attention", record)
+    monkeypatch.setattr(runner.config, "num_speculative_tokens", k)
+    warmup.compile_decode_attention(runner)
+    tiles = [(False, None), (True, None), (True, SHORT_SPLIT_BLOCK_N)]
+    assert kernels >= {(q, s, n, w) for q in {1, k + 1} for s, n in tiles for w in (False, True)}
+    assert merges == {None, 16, 32, 64}
 
 
 def test_cpu_step_hands_out_its_own_tokens(smollm2_llm):

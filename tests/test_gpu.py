@@ -420,9 +420,10 @@ def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force
 def test_mtp_steps_after_start_up_compile_no_kernel(tmp_path, force):
     """MTP verify steps after start-up, greedy and sampled, at batch sizes 1-9 and contexts
     past 256 tokens, compile no Triton kernel (a compile stalls every stream for 0.2-1 s).
-    `test_steps_after_start_up_compile_no_kernel` covers plain steps on short prompts; the
-    thirty-fifth session's `bench.py spec` saw one ~1.2 s stall at MTP batch 2 over contexts of
-    up to 288 tokens (BENCHMARKS.md), which this is here to rule in or out."""
+    `test_steps_after_start_up_compile_no_kernel` covers plain steps on short prompts. The
+    thirty-fifth session's `bench.py spec` saw one ~1.2 s stall at MTP batch 2; this test then
+    found 28 variants compiled mid-run (eager drafting, accept and shift kernels, decode tiles),
+    which `tinyserve.warmup` and unspecialized step sizes removed (BENCHMARKS.md)."""
     from triton import knobs
 
     path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=2, hidden_size=1024,

@@ -664,3 +664,27 @@ def test_token_map_command_writes_a_map_the_engine_reads(tmp_path):
     assert load_token_map(str(out), 7).tolist() == [0, 2, 3]
     bad = CliRunner().invoke(main, ["token-map", "--model", str(tmp_path / "none"), str(out)])
     assert bad.exit_code != 0 and "cannot load the tokenizer" in bad.output
+
+
+@pytest.mark.parametrize(("method", "k", "max_len"), [
+    ("mtp", 1, None), ("mtp", 3, None), ("ngram", 2, None), ("mtp", 3, 8), ("mtp", 3, 4),
+])  # fmt: skip
+def test_warm_up_steps_write_only_the_scratch_block(mimo_dir, reference, method, k, max_len):
+    """Start-up's eager warm-up steps (`warmup.run_eager_steps`; on the GPU they compile the
+    kernel variants eager steps take) run the real launch path on sequences of the scratch
+    block: every other KV block stays as it was, the pool is untouched, and outputs after them
+    are the engine's usual ones. Short context limits take the steps that fit (8 tokens: chunks
+    of up to 4), none where a row and its drafts do not fit (4 tokens with k = 3)."""
+    from tinyserve.warmup import run_eager_steps
+
+    llm = make_llm(mimo_dir, speculative_method=method, num_speculative_tokens=k, max_num_seqs=40,
+                   max_model_len=max_len)  # fmt: skip
+    runner = llm.engine.runner
+    free = runner.num_kv_blocks
+    assert not runner.kv_cache.any()
+    run_eager_steps(runner)
+    assert not runner.kv_cache[:, :, :-1].any()  # the pool's blocks: never written
+    assert runner.kv_cache[:, :, -1].any() == (max_len != 4)  # the scratch block: steps ran
+    assert llm.engine.scheduler.pool.num_free_blocks == free
+    if max_len is None:
+        assert run(llm, prompts()) == reference

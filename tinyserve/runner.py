@@ -14,12 +14,7 @@ import gc
 import torch
 
 from tinyserve.config import EngineConfig, ModelConfig
-from tinyserve.kernels.prefill_attention import (
-    prefill_attention,
-    prefill_num_splits,
-    prefill_tiles,
-)
-from tinyserve.kernels.sampling import argmax, sample_race
+from tinyserve.kernels.prefill_attention import prefill_num_splits
 from tinyserve.kernels.spec_accept import accept
 from tinyserve.kernels.spec_shift import shift_inputs
 from tinyserve.layers.attention import Attention, forward_context
@@ -32,6 +27,7 @@ from tinyserve.scheduler import ScheduledBatch
 from tinyserve.spec_decode import load_token_map
 from tinyserve.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
 from tinyserve.transfer import to_device
+from tinyserve.warmup import compile_start_up
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
 
@@ -70,9 +66,6 @@ class ModelRunner:
         )  # fmt: skip
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        if self.device.type == "cuda":
-            self._compile_prefill_attention()
-            self._compile_sampling()
         self.drafter = None if self.mtp is None else MtpDrafter(
             self.mtp, config.num_speculative_tokens, self.block_size, self.num_kv_blocks,
             mc.max_position_embeddings - 1)  # fmt: skip
@@ -96,33 +89,8 @@ class ModelRunner:
                 if self.drafter is not None:  # the MTP head's drafts after a verify replay, too
                     self.draft_graphs = DraftGraphs(self.verify_graphs, self.drafter.draft_tokens)
         self.lane = build_lane(self.model, config, self.max_blocks_per_seq, self.num_kv_blocks)
-
-    def _compile_prefill_attention(self) -> None:
-        """Compile every prefill-kernel variant eager steps can take (each tile, one pass and
-        key splits) at start-up: the first long prompt chunked beside decode rows would compile
-        one mid-step and stall every stream (H100, qwen3-0.6b: a 1.76 s inter-token gap). One
-        token on the scratch block."""
-        layer, mc = self.attn_layers[0], self.model_config
-        q = torch.zeros(1, mc.num_attention_heads, mc.head_dim, dtype=self.dtype,
-                        device=self.device)  # fmt: skip
-        table = torch.full((1, 1), self.num_kv_blocks, dtype=torch.int32, device=self.device)
-        cu, lens = (torch.tensor(v, dtype=torch.int32, device=self.device) for v in ([0, 1], [1]))
-        for m, n, warps, stages in prefill_tiles(self.dtype, self.device):
-            for splits in (1, 2):
-                prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, lens, 1,
-                                  layer.scale, num_splits=splits, block_m=m, block_n=n,
-                                  num_warps=warps, num_stages=stages)  # fmt: skip
-
-    def _compile_sampling(self) -> None:
-        """Compile the race kernels' variants at start-up: the argmax, all rows sampled, and
-        greedy rows among sampled ones. The graphs compile only the variants their captures
-        run, so an eager step's first sampled rows compiled one mid-run (~0.2 s, H100 host)."""
-        vocab = self.model.lm_head.weight.shape[0]
-        x = torch.zeros(2, vocab, dtype=torch.float32, device=self.device)
-        keys = torch.zeros(2, dtype=torch.int64, device=self.device)
-        argmax(x)
-        sample_race(x, keys)
-        sample_race(x, keys, torch.tensor([True, False], device=self.device))
+        if self.device.type == "cuda":
+            compile_start_up(self)
 
     @property
     def max_graph_chunk(self) -> int:
