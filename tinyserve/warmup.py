@@ -36,6 +36,7 @@ _GREEDY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 def compile_start_up(runner) -> None:
+    """All of the below that applies to the runner's engine (CUDA only)."""
     compile_prefill_attention(runner)
     compile_decode_attention(runner)
     compile_sampling(runner)
@@ -120,8 +121,7 @@ def compile_speculative(runner) -> None:
 def run_eager_steps(runner) -> None:
     """One eager step of each kind and row-count class through `runner.launch`: a prompt chunk,
     decode rows without drafts (an MTP model drafts for them eagerly) and verify rows beside a
-    prompt chunk, on sequences of the scratch block; the graph replay counters are reset after
-    (tests count them)."""
+    prompt chunk, on sequences of the scratch block."""
     cfg, k = runner.config, runner.config.num_speculative_tokens
     max_len = runner.max_blocks_per_seq * runner.block_size
     if k + 3 > max_len:  # no room for a row's token, its drafts and the one after
@@ -134,10 +134,6 @@ def run_eager_steps(runner) -> None:
         if n < cfg.max_num_seqs and n * (k + 1) + 1 <= cfg.max_num_batched_tokens:
             verify = [_sequence(runner, 2, k, 1) for _ in range(n)]
             _eager_step(runner, verify + [_sequence(runner, 1, 0)], [k + 1] * n + [1])
-    for g in (runner.graphs, runner.verify_graphs, *runner.prefill_graphs.values(),
-              *runner.mixed_graphs.values()):  # fmt: skip
-        if g is not None:
-            g.num_replays = g.num_shared_replays = 0
 
 
 def _attention(runner):
