@@ -6,7 +6,8 @@ flight where its loop over K is long (`stream_stages`); "dot" runs a BLOCK_N x B
 against x padded to 16-128 rows (a power of two) on the tensor cores, with a deep pipeline (a
 program may take fewer W rows than its tile, the rest masked, so that a grid fills whole waves);
 its "split" form also divides K among programs (float32 partials, then a fixed-order sum),
-which fills the SMs for down projections at 33-128 rows. `gemv_config` says which one (or
+which fills the SMs for down projections at 33-128 rows; "tma" (`gemv_tma`, Hopper) is the dot
+product with W and x fetched through tensor descriptors. `gemv_config` says which one (or
 cuBLAS) a shape takes, and its tiles. Split-K at 1-32 rows was measured and dropped: it lost
 5-45% at every Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
 """
@@ -27,7 +28,9 @@ from .gemv_config import (
     split_config,
     stream_config,
     stream_stages,
+    tma_config,
 )
+from .gemv_tma import launch_tma
 
 
 @triton.jit
@@ -237,7 +240,7 @@ def gemv(
 ) -> torch.Tensor:
     """x (M, K) with M <= MAX_DOT_ROWS (MAX_SPLIT_ROWS for "split"), weight (N, K) -> (M, N) in x's
     dtype, or float32 into a float32 `out` (rounded once, from the float32 sum), + bias (N,).
-    `method`: "stream", "dot" or "split" (default: `gemv_method`'s choice, or "stream" for a
+    `method`: "stream", "dot", "split" or "tma" (default: `gemv_method`'s choice, or "stream" for a
     prologue).
 
     Prologues (stream only) fuse the op that feeds a decode matmul, saving a launch and a pass:
@@ -255,7 +258,8 @@ def gemv(
     if method is None:  # a prologue streams; cuBLAS's shapes: the row check below says so
         method = "stream" if gated or norm is not None else gemv_method(m, n, k) or "dot"
     if silu_mul:
-        check(method == "dot" and not (gated or norm), "silu_mul is the dot kernel's epilogue")
+        check(method in ("dot", "tma") and not (gated or norm),
+              "silu_mul is the dot and tma kernels' epilogue")  # fmt: skip
         check(n % 2 == 0, f"silu_mul needs W as [gate; up], got {n} rows")
         check(out is None or out.dtype == x.dtype, "silu_mul: out in x's dtype")
     n_out = n // 2 if silu_mul else n
@@ -292,7 +296,7 @@ def gemv(
     else:
         check(residual is None, "a residual needs the norm prologue")
     check(len({t.device for t in tensors}) == 1, "all inputs on one device")
-    check(method in ("stream", "dot", "split"), f"unknown method {method!r}")
+    check(method in ("stream", "dot", "split", "tma"), f"unknown method {method!r}")
     check(method != "stream" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
     check(method == "stream" or not prologue, f"{method} has no prologue")
     args = (x, weight, out)
@@ -309,6 +313,10 @@ def gemv(
             HAS_BIAS=bias is not None, LOOP_STAGES=stages, num_warps=num_warps or 4,
             **pdl(x.device),
         )  # fmt: skip
+    elif method == "tma":
+        cfg_n, cfg_k, cfg_stages, cfg_warps = tma_config(silu_mul)
+        launch_tma(x, weight, out, bias, silu_mul, block_n or cfg_n, block_k or cfg_k,
+                   num_stages or cfg_stages, num_warps or cfg_warps)  # fmt: skip
     elif method == "dot":
         cfg = dot_config(m, n, k, x.dtype, x.device)
         block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k

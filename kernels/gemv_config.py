@@ -6,6 +6,7 @@ an H100 or H200 (bf16, CUDA-graph replays); each says where its numbers are (BEN
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -163,6 +164,31 @@ def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devic
     return block_n, block_k, stages, splits
 
 
+def tma_config(silu_mul: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages, warps) of the tma kernel: 128 W rows a program (64 gate + 64 up
+    rows with silu_mul), 64-wide K steps, 4 stages, one warpgroup (`gemv_tma`'s sweep)."""
+    return (64 if silu_mul else 128), 64, 4, 4
+
+
+@functools.lru_cache(maxsize=1)
+def _has_tma() -> bool:
+    """Whether the current CUDA device has tensor-memory copies (Hopper, sm_90, and later)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _tma_pays(m: int, n: int, k: int) -> bool:
+    """The tma kernel for a 7-8B gate_up ([gate; up], K >= 4096, WIDE_N <= N < HEAD_N) at 33-64
+    rows whose 128-row tiles leave the last wave under 80% full (as `_balanced`'s rule), on
+    Hopper. H200, steady MiMo-7B steps (gate_up N = 22,016: 172 programs, 65%), dot -> tma: MTP
+    k=1 batch 32 (64-row verify) 5.10 -> 5.00 ms, plain batch 64 5.02 -> 4.93, though alone,
+    in graph replays, the tma call measured slower (58.2 vs 50.9 us; BENCHMARKS.md,
+    thirty-seventh session). Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and
+    was not measured in steps, so it keeps the dot kernel."""
+    if not (MAX_ROWS < m <= MAX_DOT_ROWS and WIDE_N <= n < HEAD_N and k >= LARGE_K):
+        return False
+    return _has_tma() and _last_wave_fill(n, 128, num_sms(torch.device("cuda"))) < 0.8
+
+
 def gemv_method(m: int, n: int, k: int) -> str | None:
     """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
     replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
@@ -170,10 +196,13 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     "dot" for the rest up to MAX_ROWS rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B
     shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
-    rows, 2-26% over cuBLAS; None (cuBLAS) for the rest."""
+    rows, 2-26% over cuBLAS; "tma" (`gemv_tma`, Hopper) in place of "dot" for some 7-8B
+    gate_up at 33-64 rows (`_tma_pays`); None (cuBLAS) for the rest."""
     # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
     if m == 1 or (m == 2 and (n <= k or (k >= LARGE_K and n < WIDE_N))):
         return "stream"
+    if _tma_pays(m, n, k):
+        return "tma"
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None
@@ -183,7 +212,7 @@ def silu_mul_epilogue(m: int, n: int, k: int) -> bool:
     """Whether a gate_up projection (W = [gate; up], (N, K)) at M rows computes silu(gate) * up
     in the dot kernel's epilogue: wherever it runs the dot kernel, above two rows (at one or two
     rows the down projection's stream prologue takes the SiLU)."""
-    return m > 2 and gemv_method(m, n, k) == "dot"
+    return m > 2 and gemv_method(m, n, k) in ("dot", "tma")
 
 
 def norm_prologue_pays(k: int) -> bool:

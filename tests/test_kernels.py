@@ -26,6 +26,7 @@ from tinyserve.kernels.gemv import gemv, gemv_ref  # noqa: E402
 from tinyserve.kernels.gemv_config import (  # noqa: E402
     dot_config,
     gemv_method,
+    silu_mul_epilogue,
     split_config,
     stream_config,
     stream_stages,
@@ -691,9 +692,38 @@ def test_gemv_silu_mul(dtype, m, k, rows, bias):
     assert_rel(out, silu_mul_ref(gate_up.to(dtype)).double(), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [3, 48])
+@pytest.mark.parametrize(("silu_mul", "bias", "out_dtype"), [
+    (False, False, None), (False, True, torch.float32), (True, False, None), (True, True, None),
+])  # fmt: skip
+def test_gemv_tma(dtype, m, silu_mul, bias, out_dtype):
+    """The tma kernel (tensor-descriptor loads): N = 37 in 16-column programs (the last one
+    partial: its gate tile runs into the up rows, which must not reach y), K = 1000 in 64-wide
+    steps (the last partial, zero-filled), x's rows padded to 16 / 64; with and without the
+    SiLU epilogue and a bias, bf16 / fp16 / float32, float32 out (the LM head's)."""
+    n, k = 37, 1000
+    x = randn(m, k, dtype=dtype)
+    w = randn(2 * n if silu_mul else n, k, dtype=dtype, scale=3.0 if silu_mul else 1.0)
+    b = randn(w.shape[0], dtype=dtype) if bias else None
+    out = poisoned(torch.empty(m, n, dtype=out_dtype or dtype, device=DEVICE))
+    got = gemv(x, w, out, bias=b, silu_mul=silu_mul, method="tma", block_n=16, block_k=64)
+    assert got is out
+    ref = gemv_ref(x.double(), w.double(), bias=None if b is None else b.double())
+    if silu_mul:
+        ref = silu_mul_ref(ref.to(dtype)).double()
+    assert_rel(out, ref, out_dtype or dtype)
+
+
+def test_gemv_tma_rejects_unaligned_rows():
+    x, w = randn(40, 100, dtype=torch.bfloat16), randn(8, 100, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):  # 200-byte rows
+        gemv(x, w, method="tma")
+
+
 def test_gemv_silu_mul_rejects_bad_inputs():
     x, w = randn(3, 64), randn(8, 64)
-    with pytest.raises(ValueError, match="dot kernel's epilogue"):
+    with pytest.raises(ValueError, match="dot and tma kernels' epilogue"):
         gemv(x, w, silu_mul=True, method="stream")
     with pytest.raises(ValueError, match="gate; up"):
         gemv(x, randn(7, 64), silu_mul=True, method="dot")
@@ -735,6 +765,7 @@ def test_gemv_method_and_dot_config(monkeypatch):
     cuBLAS above. The dot tile is the widest that gives every other SM a program, with as many
     stages as shared memory holds (at most 5), or more where a program would not hold its SM
     alone."""
+    monkeypatch.setattr(gemv_config, "_has_tma", lambda: False)  # an H100 or H200 differs below
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
     assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(3, 6144, 4096) == "dot"
     assert gemv_method(4, 4096, 4096) == gemv_method(8, 22016, 4096) == "dot"  # o, gate_up
@@ -748,6 +779,18 @@ def test_gemv_method_and_dot_config(monkeypatch):
     # 33..128 rows: split-K for down projections (K > 2N) only; eh_proj (K = 2N) lost at 128.
     assert gemv_method(33, 1024, 3072) == gemv_method(128, 4096, 11008) == "split"
     assert gemv_method(64, 4096, 8192) is None and gemv_method(129, 4096, 11008) is None
+    # On Hopper (132 SMs), a 7-8B gate_up (K >= 4096, WIDE_N <= N < HEAD_N) at 33-64 rows whose
+    # 128-row tiles fill the last wave under 80% (MiMo's 22,016: 65%) takes the tma kernel,
+    # with its SiLU epilogue; Llama-3.1-8B's 28,672 (85%), LM heads and small K do not.
+    monkeypatch.setattr(gemv_config, "_has_tma", lambda: True)
+    monkeypatch.setattr(gemv_config, "num_sms", lambda device: 132)
+    assert gemv_method(33, 22016, 4096) == gemv_method(64, 22016, 4096) == "tma"
+    assert silu_mul_epilogue(48, 22016, 4096) and gemv_method(64, 28672, 4096) == "dot"
+    assert gemv_method(32, 22016, 4096) == gemv_method(48, 22016, 2048) == "dot"
+    assert gemv_method(48, 151936, 4096) == "dot" and gemv_method(65, 22016, 4096) is None
+    monkeypatch.setattr(gemv_config, "_has_tma", lambda: False)
+    assert gemv_method(64, 22016, 4096) == "dot"
+    monkeypatch.undo()  # the interpreter's 4 SMs again
     h100 = torch.device("cpu")  # the interpreter stands in for 4 SMs and an H100's 227 KB
     assert dot_config(2, 1024, 1024, torch.bfloat16, h100)[:2] == (128, 128)
     assert dot_config(2, 128, 1024, torch.bfloat16, h100)[:2] == (64, 128)

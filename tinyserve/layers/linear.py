@@ -87,13 +87,13 @@ class Linear(nn.Module):
 
     def fuses_silu_mul(self, x: torch.Tensor) -> bool:
         """Whether `silu_mul` runs for x's rows: where this [gate; up] projection takes the dot
-        kernel, above two rows (`silu_mul_epilogue`)."""
+        or tma kernel, above two rows (`silu_mul_epilogue`)."""
         return x.is_cuda and silu_mul_epilogue(x.shape[0], *self.weight.shape)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x gate^T) * (x up^T) for this [gate; up] projection, the activation in the dot
-        kernel's epilogue (see `fuses_silu_mul`)."""
-        return gemv(x, self.weight, bias=self.bias, silu_mul=True, method="dot")
+        or tma kernel's epilogue (see `fuses_silu_mul`)."""
+        return gemv(x, self.weight, bias=self.bias, silu_mul=True, method=self._gemv_method(x))
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for x = [gate | up]."""
