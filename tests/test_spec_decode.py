@@ -668,6 +668,7 @@ def test_token_map_command_writes_a_map_the_engine_reads(tmp_path):
 
 @pytest.mark.parametrize(("method", "k", "max_len"), [
     ("mtp", 1, None), ("mtp", 3, None), ("ngram", 2, None), ("mtp", 3, 8), ("mtp", 3, 4),
+    (None, 0, None),  # an enforce_eager engine's (no speculation: decode rows beside a chunk)
 ])  # fmt: skip
 def test_warm_up_steps_write_only_the_scratch_block(mimo_dir, reference, method, k, max_len):
     """Start-up's eager warm-up steps (`warmup.run_eager_steps`; on the GPU they compile the
@@ -677,8 +678,8 @@ def test_warm_up_steps_write_only_the_scratch_block(mimo_dir, reference, method,
     of up to 4), none where a row and its drafts do not fit (4 tokens with k = 3)."""
     from tinyserve.warmup import run_eager_steps
 
-    llm = make_llm(mimo_dir, speculative_method=method, num_speculative_tokens=k, max_num_seqs=40,
-                   max_model_len=max_len)  # fmt: skip
+    spec = dict(speculative_method=method, num_speculative_tokens=k) if method else {}
+    llm = make_llm(mimo_dir, max_num_seqs=40, max_model_len=max_len, **spec)
     runner = llm.engine.runner
     free = runner.num_kv_blocks
     assert not runner.kv_cache.any()

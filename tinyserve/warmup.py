@@ -4,7 +4,8 @@ H200 hosts, BENCHMARKS.md). The CUDA graphs compile what their captures run; the
 cover what eager steps run: the attention and sampling kernels' variants for every engine, and
 for speculative ones, whose steps are eager far more often (every prompt chunk of an MTP model,
 which has no prefill graphs; chunks beside verify rows; rows short of k drafts, whose MTP
-drafting is eager), one eager step of each kind and row-count class. The kernels take step
+drafting is eager), and for engines without graphs (`enforce_eager`), one eager step of each
+kind and row-count class. The kernels take step
 sizes as runtime arguments (`do_not_specialize`), so one count of a class compiles what every
 count of it needs (H200, the GPU test `test_mtp_steps_after_start_up_compile_no_kernel`: 28
 variants compiled mid-run before, none after).
@@ -42,6 +43,8 @@ def compile_start_up(runner) -> None:
     compile_sampling(runner)
     if runner.config.num_speculative_tokens:
         compile_speculative(runner)
+    elif runner.config.enforce_eager:  # no graphs: every step is eager, its matmuls' too
+        run_eager_steps(runner)
 
 
 def compile_prefill_attention(runner) -> None:
@@ -121,8 +124,9 @@ def compile_speculative(runner) -> None:
 def run_eager_steps(runner) -> None:
     """One eager step of each kind and row-count class through `runner.launch`: a prompt chunk,
     decode rows without drafts (an MTP model drafts for them eagerly) and verify rows beside a
-    prompt chunk, on sequences of the scratch block."""
-    cfg, k = runner.config, runner.config.num_speculative_tokens
+    prompt chunk (without speculation: decode rows beside it, a mixed step), on sequences of the
+    scratch block."""
+    cfg, k = runner.config, runner.config.num_speculative_tokens or 0
     max_len = runner.max_blocks_per_seq * runner.block_size
     if k + 3 > max_len:  # no room for a row's token, its drafts and the one after
         return
