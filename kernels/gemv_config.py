@@ -183,7 +183,8 @@ def _tma_pays(m: int, n: int, k: int) -> bool:
     k=1 batch 32 (64-row verify) 5.10 -> 5.00 ms, plain batch 64 5.02 -> 4.93, though alone,
     in graph replays, the tma call measured slower (58.2 vs 50.9 us; BENCHMARKS.md,
     thirty-seventh session). Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and
-    was not measured in steps, so it keeps the dot kernel."""
+    was not measured in steps, so it keeps the dot kernel; Qwen3-8B's 24,576 (73%) takes the
+    tma kernel by this rule, unmeasured."""
     if not (MAX_ROWS < m <= MAX_DOT_ROWS and WIDE_N <= n < HEAD_N and k >= LARGE_K):
         return False
     return _has_tma() and _last_wave_fill(n, 128, num_sms(torch.device("cuda"))) < 0.8
