@@ -111,3 +111,12 @@ def pdl_sync(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from float32 gate_up accumulators, rounded to dtype as HF's separate
+    projections and SiLU are: each output, silu(gate), then the product (still float32)."""
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)

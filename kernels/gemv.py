@@ -18,7 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, dot_precision, is_interpreter, next_pow2, pdl, pdl_sync
+from ._common import (
+    FLOAT_DTYPES,
+    check,
+    dot_precision,
+    is_interpreter,
+    next_pow2,
+    pdl,
+    pdl_sync,
+    silu_mul_rounded,
+)
 from .gemv_config import (
     MAX_DOT_ROWS,
     MAX_SPLIT_ROWS,
@@ -190,11 +199,9 @@ def _gemv_dot_kernel(
         acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n_c).to(tl.float32)[:, None]
-    if SILU_MUL:  # rounded as HF's: gate and up outputs, silu(gate), the product
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if SILU_MUL:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
-        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
-        acc = act * up
+        acc = silu_mul_rounded(gate, up, y_ptr.dtype.element_ty)
         n = lo + tl.arange(0, BLOCK_N // 2)
     y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < end) & (m[None, :] < M))

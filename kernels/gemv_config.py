@@ -170,6 +170,9 @@ def tma_config(silu_mul: bool) -> tuple[int, int, int, int]:
     return (64 if silu_mul else 128), 64, 4, 4
 
 
+_CUDA = torch.device("cuda")
+
+
 @functools.lru_cache(maxsize=1)
 def _has_tma() -> bool:
     """Whether the current CUDA device has tensor-memory copies (Hopper, sm_90, and later)."""
@@ -187,7 +190,7 @@ def _tma_pays(m: int, n: int, k: int) -> bool:
     tma kernel by this rule, unmeasured."""
     if not (MAX_ROWS < m <= MAX_DOT_ROWS and WIDE_N <= n < HEAD_N and k >= LARGE_K):
         return False
-    return _has_tma() and _last_wave_fill(n, 128, num_sms(torch.device("cuda"))) < 0.8
+    return _has_tma() and _last_wave_fill(n, 128, num_sms(_CUDA)) < 0.8
 
 
 def gemv_method(m: int, n: int, k: int) -> str | None:

@@ -19,7 +19,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import check, dot_precision, is_interpreter, next_pow2, pdl, pdl_sync
+from ._common import (
+    check,
+    dot_precision,
+    is_interpreter,
+    next_pow2,
+    pdl,
+    pdl_sync,
+    silu_mul_rounded,
+)
 
 
 @triton.jit(do_not_specialize=["M"])  # as the dot kernel: eager steps take any row count
@@ -51,10 +59,8 @@ def _gemv_tma_kernel(
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
         if SILU_MUL:
             up += tl.load(b_ptr + N + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    if SILU_MUL:  # rounded as HF's: gate and up outputs, silu(gate), the product
-        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
-        acc = act * up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if SILU_MUL:
+        acc = silu_mul_rounded(acc, up, y_ptr.dtype.element_ty)
     m = tl.arange(0, BLOCK_M)
     y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))

@@ -242,6 +242,28 @@ def test_start_up_compiles_every_decode_kernel_variant(smollm2_llm, monkeypatch,
     assert merges == {None, 16, 32, 64}
 
 
+@pytest.mark.parametrize(
+    ("k", "eager", "steps"), [(0, False, False), (0, True, True), (2, False, True)]
+)
+def test_start_up_runs_eager_steps_where_steps_are_eager(smollm2_llm, monkeypatch, k, eager, steps):
+    """`compile_start_up` runs the eager warm-up steps for speculative engines (through
+    `compile_speculative`) and for engines without graphs (`enforce_eager`), not for plain
+    engines whose decode steps replay graphs."""
+    from tinyserve import warmup
+
+    runner, ran = smollm2_llm.engine.runner, []
+    for name in ("compile_prefill_attention", "compile_decode_attention", "compile_sampling"):
+        monkeypatch.setattr(warmup, name, lambda runner: None)
+    monkeypatch.setattr(
+        warmup, "compile_speculative", lambda runner: warmup.run_eager_steps(runner)
+    )
+    monkeypatch.setattr(warmup, "run_eager_steps", lambda runner: ran.append(runner))
+    monkeypatch.setattr(runner.config, "num_speculative_tokens", k)
+    monkeypatch.setattr(runner.config, "enforce_eager", eager)
+    warmup.compile_start_up(runner)
+    assert ran == ([runner] if steps else [])
+
+
 def test_cpu_step_hands_out_its_own_tokens(smollm2_llm):
     """On the CPU the loop is synchronous by default: the step that computes a prompt returns
     its first token (the overlapped loop would hand it out one step later, with nothing gained:

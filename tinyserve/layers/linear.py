@@ -93,7 +93,7 @@ class Linear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x gate^T) * (x up^T) for this [gate; up] projection, the activation in the dot
         or tma kernel's epilogue (see `fuses_silu_mul`)."""
-        return gemv(x, self.weight, bias=self.bias, silu_mul=True, method=self._gemv_method(x))
+        return gemv(x, self.weight, bias=self.bias, silu_mul=True)  # gemv_method's dot or tma
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for x = [gate | up]."""
