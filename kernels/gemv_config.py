@@ -182,12 +182,13 @@ def _has_tma() -> bool:
 def _tma_pays(m: int, n: int, k: int) -> bool:
     """The tma kernel for a 7-8B gate_up ([gate; up], K >= 4096, WIDE_N <= N < HEAD_N) at 33-64
     rows whose 128-row tiles leave the last wave under 80% full (as `_balanced`'s rule), on
-    Hopper. H200, steady MiMo-7B steps (gate_up N = 22,016: 172 programs, 65%), dot -> tma: MTP
-    k=1 batch 32 (64-row verify) 5.10 -> 5.00 ms, plain batch 64 5.02 -> 4.93, though alone,
-    in graph replays, the tma call measured slower (58.2 vs 50.9 us; BENCHMARKS.md,
-    thirty-seventh session). Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and
-    was not measured in steps, so it keeps the dot kernel; Qwen3-8B's 24,576 (73%) takes the
-    tma kernel by this rule, unmeasured."""
+    Hopper. H200, steady MiMo-7B steps (gate_up N = 22,016: 172 programs, 65%), one engine each
+    alternating tma / dot / tma / dot: MTP k=1 batch 32 (64-row verify) 4.95 / 5.00 / 4.94 /
+    5.00 ms, plain batch 64 4.86 / 4.92 / 4.86 / 4.92 (BENCHMARKS.md, thirty-seventh and
+    thirty-eighth sessions), though alone, in graph replays, the tma call measured slower (58.2
+    vs 50.9 us). Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and was not
+    measured in steps, so it keeps the dot kernel; Qwen3-8B's 24,576 (73%) takes the tma kernel
+    by this rule, unmeasured."""
     if not (MAX_ROWS < m <= MAX_DOT_ROWS and WIDE_N <= n < HEAD_N and k >= LARGE_K):
         return False
     return _has_tma() and _last_wave_fill(n, 128, num_sms(_CUDA)) < 0.8

@@ -537,15 +537,18 @@ def test_prefill_lane_on_its_stream_gives_the_steps_outputs(tmp_path):
         assert abs(lp - step_first[i]) < 0.05, (lane_first, step_first)
 
 
-def test_steps_after_start_up_compile_no_kernel(tmp_path):
+@pytest.mark.parametrize("eager", [False, True])
+def test_steps_after_start_up_compile_no_kernel(tmp_path, eager):
     """Start-up compiles what the steps launch: later eager steps of any batch size, sampled or
     greedy, with penalties, logprobs or prefix hits, compile no Triton kernel (a compile stalls
     the step loop for ~0.2 s on the H100 host; the race kernels compiled once per new batch
-    size until the chunk count became a runtime argument)."""
+    size until the chunk count became a runtime argument). With enforce_eager every decode
+    step is eager, so start-up runs the eager warm-up steps for it too (`warmup`)."""
     from triton import knobs
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=2)
-    llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=128, max_num_batched_tokens=2048)
+    llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=128, max_num_batched_tokens=2048,
+              enforce_eager=eager)  # fmt: skip
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
         (kw["fn"].name, kw["compile"]["constants"])
