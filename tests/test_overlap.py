@@ -246,6 +246,7 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
         LONG_MIN_SPLIT,
         LONG_SPLIT_KEYS,
         LONG_SPLITS,
+        ONE_SPLIT_KEYS,
         SHORT_SPLIT_BLOCK_N,
         decode_num_splits,
         decode_tiling,
@@ -267,6 +268,10 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
             ] == [1, 1, 1, 4, 4, 16, 32]  # fmt: skip
     assert [block_n(1, s) for s in (1, 4, 16, 32)] == [None] + [SHORT_SPLIT_BLOCK_N] * 2 + [None]
     assert splits(3, 4 * keys) == splits(4, 4 * keys) == 4  # padded size
+    # Batch 48 (384 programs on 132 SMs) fills the last wave with 2 splits, but below
+    # ONE_SPLIT_KEYS keys their merge costs more than the fill saves; batch 16 (128) splits.
+    assert [splits(48, c) for c in (None, 200, ONE_SPLIT_KEYS, ONE_SPLIT_KEYS + 1)] == [2, 1, 1, 2]
+    assert splits(16, 200) == 2
     assert splits(64, None) == splits(64, LONG_SPLIT_KEYS) == 1
     # A longer context (one long row beside short ones) takes LONG_SPLITS, the default tile.
     assert splits(64, LONG_SPLIT_KEYS + 1) == splits(64, 40960) == LONG_SPLITS

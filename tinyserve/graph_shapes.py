@@ -60,13 +60,22 @@ SHORT_SPLIT_BLOCK_N = 32
 LONG_SPLIT_KEYS = 4096
 LONG_SPLITS = 16
 LONG_MIN_SPLIT = 512
+# Where one split already gives every SM a program (padded batch x kv heads >= SMs), a context of
+# at most ONE_SPLIT_KEYS keys takes one split: filling the last wave with more saves less than
+# their merge pass costs. H200, plain batch 48 (384 programs; the GPU-filling count is 2), steady
+# ms a step, two splits -> one: Llama-3.1-8B 5.39 -> 5.12 at ~150-key contexts, 5.94 -> 5.62 at
+# 370-500; Qwen3-0.6B 1.57 -> 1.37 and 2.11 -> 1.82 (PDL off, Llama at ~150 keys: attention 482 +
+# merge 186 us a step with two splits; BENCHMARKS.md, thirty-eighth session). Longer contexts
+# were not measured, so they keep the GPU-filling count.
+ONE_SPLIT_KEYS = 512
 
 
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
                       device: torch.device, max_context_len: int | None = None) -> int:  # fmt: skip
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
     cut to the power of two that gives the step's longest context at most KEYS_PER_SPLIT keys
-    per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys; raised to
+    per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys, or up to
+    ONE_SPLIT_KEYS where one split gives every SM a program already; raised to
     LONG_SPLITS where the longest context would leave a split over LONG_SPLIT_KEYS. A function
     of the padded size and the longest context, so eager and graph steps sum in the same order.
     Verify steps take the same count (MiMo-7B batch-1 verify graph, k = 1, 32-token prompts:
@@ -78,6 +87,9 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
         return full
     if max_context_len > full * LONG_SPLIT_KEYS:
         return max(full, LONG_SPLITS)
+    programs = padded_size(num_seqs, max_num_seqs) * num_kv_heads
+    if max_context_len <= ONE_SPLIT_KEYS and programs >= decode_attention.num_sms(device):
+        return 1
     tiles = -(-max_context_len // KEYS_PER_SPLIT)
     return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
 
