@@ -186,9 +186,9 @@ def _tma_pays(m: int, n: int, k: int) -> bool:
     alternating tma / dot / tma / dot: MTP k=1 batch 32 (64-row verify) 4.95 / 5.00 / 4.94 /
     5.00 ms, plain batch 64 4.86 / 4.92 / 4.86 / 4.92 (BENCHMARKS.md, thirty-seventh and
     thirty-eighth sessions), though alone, in graph replays, the tma call measured slower (58.2
-    vs 50.9 us). Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and was not
-    measured in steps, so it keeps the dot kernel; Qwen3-8B's 24,576 (73%) takes the tma kernel
-    by this rule, unmeasured."""
+    vs 50.9 us). Qwen3-8B's 24,576 (73%), plain steps: a tie at batch 64, 5.91 -> 5.69 ms at 48.
+    Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and tied in steps with the
+    tma kernel forced (batches 48 and 64), so it keeps the dot kernel."""
     if not (MAX_ROWS < m <= MAX_DOT_ROWS and WIDE_N <= n < HEAD_N and k >= LARGE_K):
         return False
     return _has_tma() and _last_wave_fill(n, 128, num_sms(_CUDA)) < 0.8
@@ -215,7 +215,7 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
 
 def silu_mul_epilogue(m: int, n: int, k: int) -> bool:
     """Whether a gate_up projection (W = [gate; up], (N, K)) at M rows computes silu(gate) * up
-    in the dot kernel's epilogue: wherever it runs the dot kernel, above two rows (at one or two
+    in the dot or tma kernel's epilogue: wherever it runs one of them, above two rows (at one or two
     rows the down projection's stream prologue takes the SiLU)."""
     return m > 2 and gemv_method(m, n, k) in ("dot", "tma")
 
