@@ -244,6 +244,7 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     from tinyserve.graph_shapes import (
         KEYS_PER_SPLIT,
         LONG_MIN_SPLIT,
+        LONG_ONE_SPLIT_KEYS,
         LONG_SPLIT_KEYS,
         LONG_SPLITS,
         ONE_SPLIT_KEYS,
@@ -268,9 +269,16 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
             ] == [1, 1, 1, 4, 4, 16, 32]  # fmt: skip
     assert [block_n(1, s) for s in (1, 4, 16, 32)] == [None] + [SHORT_SPLIT_BLOCK_N] * 2 + [None]
     assert splits(3, 4 * keys) == splits(4, 4 * keys) == 4  # padded size
-    # Batch 48 (384 programs on 132 SMs) fills the last wave with 2 splits, but below
-    # ONE_SPLIT_KEYS keys their merge costs more than the fill saves; batch 16 (128) splits.
-    assert [splits(48, c) for c in (None, 200, ONE_SPLIT_KEYS, ONE_SPLIT_KEYS + 1)] == [2, 1, 1, 2]
+    # Batch 48 (384 programs on 132 SMs) fills the last wave with 2 splits, but their merge
+    # costs more than the fill saves: one split up to ONE_SPLIT_KEYS keys wherever one split
+    # gives every SM a program (batch 16's 128 do not), and up to LONG_ONE_SPLIT_KEYS where its
+    # last round of resident programs gives every SM at least two: batches 48 (384 programs)
+    # and 112 (896 = 528 + 368), not 80 (640 = 528 + 112) or 144 (1152 = 2 x 528 + 96).
+    assert [splits(48, c) for c in (None, 200, ONE_SPLIT_KEYS, ONE_SPLIT_KEYS + 1)] == [2, 1, 1, 1]
+    assert [splits(b, LONG_ONE_SPLIT_KEYS) for b in (48, 80, 112, 144)] == [1, 2, 1, 2]
+    assert [splits(b, ONE_SPLIT_KEYS) for b in (48, 80, 112, 144)] == [1, 1, 1, 1]
+    assert [splits(b, ONE_SPLIT_KEYS + 1) for b in (80, 144)] == [2, 2]
+    assert splits(48, LONG_ONE_SPLIT_KEYS + 1) == 2
     assert splits(16, 200) == 2
     assert splits(64, None) == splits(64, LONG_SPLIT_KEYS) == 1
     # A longer context (one long row beside short ones) takes LONG_SPLITS, the default tile.

@@ -62,12 +62,20 @@ LONG_SPLITS = 16
 LONG_MIN_SPLIT = 512
 # Where one split already gives every SM a program (padded batch x kv heads >= SMs), a context of
 # at most ONE_SPLIT_KEYS keys takes one split: filling the last wave with more saves less than
-# their merge pass costs. H200, plain batch 48 (384 programs; the GPU-filling count is 2), steady
-# ms a step, two splits -> one: Llama-3.1-8B 5.39 -> 5.12 at ~150-key contexts, 5.94 -> 5.62 at
-# 370-500; Qwen3-0.6B 1.57 -> 1.37 and 2.11 -> 1.82 (PDL off, Llama at ~150 keys: attention 482 +
-# merge 186 us a step with two splits; BENCHMARKS.md, thirty-eighth session). Longer contexts
-# were not measured, so they keep the GPU-filling count.
+# their merge pass costs. H200, plain steady steps, ms a step, two splits -> one: batch 48 (384
+# programs; the GPU-filling count is 2) Llama-3.1-8B 5.39 -> 5.12 at ~150-key contexts, 5.94 ->
+# 5.62 at 370-500; Qwen3-0.6B 1.57 -> 1.37 and 2.11 -> 1.82; Qwen3-0.6B batches 80 / 112 / 144 at
+# 32-96 keys -7% / -10% / -14%, at 360-424 -6% / -11% / -9%; Llama batch 80 -3.5% / -4.4%.
 ONE_SPLIT_KEYS = 512
+# Up to LONG_ONE_SPLIT_KEYS where the last round of resident programs (RESIDENT_PROGRAMS a SM:
+# the one-split kernel holds 128 registers x 128 threads, so four fit the register file) still
+# gives every SM at least two: with fewer the tail round leaves bandwidth idle for the length of
+# one long program. Same runs, 1,024 / 2,048 / 4,096-key contexts: batch 48 (one round)
+# Qwen3-0.6B -14% / -13% / -11%, Llama -4.5% / -3% / -1.5%; batch 112 (896 = 528 + 368) Qwen
+# -7% / -3% at 1,024 / 2,048; but batch 80 (640 = 528 + 112) +3% / +9% / +10% and batch 144
+# (1,152 = 2 x 528 + 96) -3% / +4% at 1,024 / 2,048, which keep two splits past 512 keys.
+LONG_ONE_SPLIT_KEYS = 4096
+RESIDENT_PROGRAMS = 4
 
 
 def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
@@ -75,7 +83,8 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     """Split count of a decode step: the count that fills the GPU at the padded batch size,
     cut to the power of two that gives the step's longest context at most KEYS_PER_SPLIT keys
     per split, and to one split (no merge pass) for up to 2 x KEYS_PER_SPLIT keys, or up to
-    ONE_SPLIT_KEYS where one split gives every SM a program already; raised to
+    ONE_SPLIT_KEYS where one split gives every SM a program already (LONG_ONE_SPLIT_KEYS where
+    its last round of resident programs gives every SM two); raised to
     LONG_SPLITS where the longest context would leave a split over LONG_SPLIT_KEYS. A function
     of the padded size and the longest context, so eager and graph steps sum in the same order.
     Verify steps take the same count (MiMo-7B batch-1 verify graph, k = 1, 32-token prompts:
@@ -88,10 +97,16 @@ def decode_num_splits(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_l
     if max_context_len > full * LONG_SPLIT_KEYS:
         return max(full, LONG_SPLITS)
     programs = padded_size(num_seqs, max_num_seqs) * num_kv_heads
-    if max_context_len <= ONE_SPLIT_KEYS and programs >= decode_attention.num_sms(device):
+    sms = decode_attention.num_sms(device)
+    if programs >= sms and max_context_len <= _one_split_keys(programs, sms):
         return 1
     tiles = -(-max_context_len // KEYS_PER_SPLIT)
     return min(full, 1 if tiles <= 2 else 1 << (tiles - 1).bit_length())
+
+
+def _one_split_keys(programs: int, sms: int) -> int:
+    tail = programs % (RESIDENT_PROGRAMS * sms)
+    return LONG_ONE_SPLIT_KEYS if tail == 0 or tail >= 2 * sms else ONE_SPLIT_KEYS
 
 
 def decode_tiling(num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int,
