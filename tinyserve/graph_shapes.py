@@ -74,6 +74,8 @@ ONE_SPLIT_KEYS = 512
 # Qwen3-0.6B -14% / -13% / -11%, Llama -4.5% / -3% / -1.5%; batch 112 (896 = 528 + 368) Qwen
 # -7% / -3% at 1,024 / 2,048; but batch 80 (640 = 528 + 112) +3% / +9% / +10% and batch 144
 # (1,152 = 2 x 528 + 96) -3% / +4% at 1,024 / 2,048, which keep two splits past 512 keys.
+# At head dim 64 the kernel holds 72 registers (seven resident); four keeps the rule on the safe
+# side there: Llama-3.2-1B at 2,048 keys, batch 48 -5.6%, batch 112 a tie.
 LONG_ONE_SPLIT_KEYS = 4096
 RESIDENT_PROGRAMS = 4
 
