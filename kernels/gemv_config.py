@@ -21,6 +21,11 @@ LARGE_K = 4096  # 7-8B models' hidden size: their few-row rules were measured on
 MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
 MAX_SPLIT_ROWS = 128  # the split-K form's, for down projections (measured at 64 and 128 rows)
 MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
+# A 7-8B model's qkv (K >= 4096, K < N < WIDE_N) at 33-64 rows stays on cuBLAS up to this many
+# rows: the dot kernel runs a 64-row x tile at 33-64 rows alike, cuBLAS got slower past 48.
+# H200, plain steady steps, ms, cuBLAS -> dot: Llama-3.1-8B batch 48 5.15 -> 5.25, batch 64 4.99
+# -> 4.95; MiMo-7B 4.96 -> 5.03 and 4.90 -> 4.84 (BENCHMARKS.md, fortieth session).
+CUBLAS_QKV_ROWS = 48
 
 
 def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 0
@@ -202,7 +207,13 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
     rows, 2-26% over cuBLAS; "tma" (`gemv_tma`, Hopper) in place of "dot" for some 7-8B
-    gate_up at 33-64 rows (`_tma_pays`); None (cuBLAS) for the rest."""
+    gate_up at 33-64 rows (`_tma_pays`); at 33-64 rows of a 7-8B model (K >= LARGE_K), "split"
+    for attention out (N <= K < 2N) and "dot" for qkv above CUBLAS_QKV_ROWS, where they beat
+    cuBLAS in the step though not alone (PDL: a Triton kernel is placed, and fetches W, while
+    the kernel before it runs; a cuBLAS one waits for it to end); None (cuBLAS) for the rest.
+    H200, steady steps, ms, both against cuBLAS: MiMo-7B MTP k=1 batch 32 (64-row verify)
+    4.99 -> 4.84-4.86, plain batch 64 4.90 -> 4.82-4.83; Llama-3.1-8B batch 64 4.99 -> 4.92,
+    batch 48 (split only) 5.15 -> 5.12 (BENCHMARKS.md, fortieth session)."""
     # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
     if m == 1 or (m == 2 and (n <= k or (k >= LARGE_K and n < WIDE_N))):
         return "stream"
@@ -210,6 +221,11 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
         return "tma"
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
+    if m <= MAX_DOT_ROWS and k >= LARGE_K and n < WIDE_N:  # a 7-8B model's attention in / out
+        if n <= k < 2 * n:
+            return "split"
+        if n > k and m > CUBLAS_QKV_ROWS:
+            return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None
 
 

@@ -761,10 +761,10 @@ def test_gemv_split(dtype, m, k, num_splits, out_dtype):
 
 def test_gemv_method_and_dot_config(monkeypatch):
     """One row streams; two rows stream only W with N <= K (attention out, down) and a 7-8B
-    model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot kernel, and
-    cuBLAS above. The dot tile is the widest that gives every other SM a program, with as many
-    stages as shared memory holds (at most 5), or more where a program would not hold its SM
-    alone."""
+    model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot kernel, and above
+    cuBLAS, but for wide W, a 7-8B model's attention and down projections. The dot tile is the
+    widest that gives every other SM a program, with as many stages as shared memory holds (at
+    most 5), or more where a program would not hold its SM alone."""
     monkeypatch.setattr(gemv_config, "_has_tma", lambda: False)  # an H100 or H200 differs below
     assert gemv_method(1, 151936, 1024) == gemv_method(2, 4096, 11008) == "stream"
     assert gemv_method(2, 6144, 4096) == "stream" and gemv_method(3, 6144, 4096) == "dot"
@@ -775,8 +775,14 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert gemv_method(32, 1024, 1024) == "dot" and gemv_method(33, 1024, 1024) is None
     # 33..64 rows: dot for wide W only (gate_up of 1B-8B models, LM heads).
     assert gemv_method(48, 22016, 4096) == gemv_method(64, 151936, 1024) == "dot"
-    assert gemv_method(65, 151936, 1024) is None and gemv_method(64, 6144, 4096) is None
-    # 33..128 rows: split-K for down projections (K > 2N) only; eh_proj (K = 2N) lost at 128.
+    assert gemv_method(65, 151936, 1024) is None and gemv_method(48, 6144, 4096) is None
+    # ...and for a 7-8B model's attention (K >= 4096): split-K for attention out (N <= K < 2N)
+    # and the dot kernel for qkv above 48 rows, where cuBLAS slows.
+    assert gemv_method(33, 4096, 4096) == gemv_method(64, 4096, 4096) == "split"
+    assert gemv_method(49, 6144, 4096) == gemv_method(64, 6144, 4096) == "dot"
+    assert gemv_method(64, 6144, 2048) is None and gemv_method(65, 6144, 4096) is None
+    assert gemv_method(64, 1024, 1024) is None and gemv_method(65, 4096, 4096) is None
+    # 33..128 rows: split-K for down projections (K > 2N); eh_proj (K = 2N) lost at 128.
     assert gemv_method(33, 1024, 3072) == gemv_method(128, 4096, 11008) == "split"
     assert gemv_method(64, 4096, 8192) is None and gemv_method(129, 4096, 11008) is None
     # On Hopper (132 SMs), a 7-8B gate_up (K >= 4096, WIDE_N <= N < HEAD_N) at 33-64 rows whose
@@ -1364,11 +1370,13 @@ def test_gemv_silu_mul_gpu(shape, m):
     [(s, m, "split") for s in [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)]
      for m in (33, 64, 100, 128)]
     + [(s, m, "dot") for s in [(151936, 1024), (28672, 4096), (22016, 4096), (16384, 2048)]
-       for m in (33, 64)],
+       for m in (33, 64)]
+    + [((4096, 4096), m, "split") for m in (33, 48, 64)] + [((6144, 4096), 64, "dot")],
 )  # fmt: skip
 def test_gemv_many_rows_gpu(shape, m, method):
     """Above 32 rows: down projections (to 128 rows) take split-K, wide W (LM heads, gate_up; to
-    64 rows) the dot kernel, or on Hopper the tma kernel where `_tma_pays` (MiMo-7B's gate_up)."""
+    64 rows) the dot kernel, or on Hopper the tma kernel where `_tma_pays` (MiMo-7B's gate_up);
+    a 7-8B model's attention out split-K and its qkv the dot kernel above 48 rows."""
     n, k = shape
     x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
     out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)
