@@ -190,6 +190,38 @@ def test_start_up_compiles_every_prefill_tile_one_pass_and_split(smollm2_llm, mo
     assert launched == {(tile, splits) for tile in tiles for splits in (1, 2)}
 
 
+def test_warm_up_row_classes_take_every_matmul_variant(monkeypatch):
+    """Each row count up to 256 takes the same gemv method and tiles at every model shape as one
+    of the warm-up's ROW_CLASSES (the eager steps compile a class's variants with one count of
+    it); a count whose choice no class shares would compile its kernel mid-run (Hopper rules:
+    the tma kernel, 132 SMs)."""
+    from tinyserve.kernels import gemv_config as gc
+    from tinyserve.kernels._common import next_pow2
+
+    from tinyserve.warmup import ROW_CLASSES
+
+    monkeypatch.setattr(gc, "_has_tma", lambda: True)
+    monkeypatch.setattr(gc, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gc, "shared_memory", lambda device: 232448)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    shapes = [(6144, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (4096, 8192),
+              (32768, 4096), (151680, 4096), (28672, 4096), (4096, 14336), (4096, 1024),
+              (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]  # fmt: skip
+
+    def tiles(method, m, n, k):
+        if method in ("dot", "split"):
+            return (gc.dot_config if method == "dot" else gc.split_config)(m, n, k, bf16, cpu)
+        return gc.stream_config(m, n, k, cpu) if method == "stream" else None
+
+    def choice(m):
+        methods = [(gc.gemv_method(m, n, k), n, k) for n, k in shapes]
+        return tuple((meth, gc.silu_mul_epilogue(m, n, k), next_pow2(m), tiles(meth, m, n, k))
+                     for meth, n, k in methods)  # fmt: skip
+
+    warmed = {choice(m) for m in ROW_CLASSES}
+    assert [m for m in range(1, 257) if choice(m) not in warmed] == []
+
+
 def test_start_up_compiles_every_race_kernel_variant(smollm2_llm, monkeypatch):
     """The argmax, all rows sampled, and greedy rows among sampled ones: the graphs compile only
     what their captures run, so the first eager step with sampled rows compiled mid-run."""

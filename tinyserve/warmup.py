@@ -20,6 +20,7 @@ import torch
 from tinyserve.graph_shapes import SHORT_SPLIT_BLOCK_N
 from tinyserve.kernels._common import num_sms
 from tinyserve.kernels.decode_attention import MAX_TILE_ROWS, decode_attention
+from tinyserve.kernels.gemv_config import CUBLAS_QKV_ROWS
 from tinyserve.kernels.prefill_attention import prefill_attention, prefill_tiles
 from tinyserve.kernels.sampling import argmax, sample_race
 from tinyserve.kernels.spec_accept import accept_drafts
@@ -30,9 +31,10 @@ from tinyserve.scheduler import ScheduledBatch
 from tinyserve.sequence import Sequence
 
 # Representatives of the row-count classes the kernels tell apart: one count in each power-of-
-# two range (the gemv tiles are next_pow2(M) rows, and its method thresholds are powers of two),
-# up to 256 rows (beyond, matmuls are cuBLAS and the other kernels take any count alike).
-ROW_CLASSES = (1, 2, 3, 5, 9, 17, 33, 65, 129)
+# two range (the gemv tiles are next_pow2(M) rows, and its method thresholds are powers of two
+# but for CUBLAS_QKV_ROWS, within 33-64), up to 256 rows (beyond, matmuls are cuBLAS and the
+# other kernels take any count alike).
+ROW_CLASSES = (1, 2, 3, 5, 9, 17, 33, CUBLAS_QKV_ROWS + 1, 65, 129)
 _GREEDY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
