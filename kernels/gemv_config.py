@@ -14,7 +14,9 @@ import triton
 
 from ._common import next_pow2, num_sms, shared_memory
 
-MAX_ROWS = 32  # the dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS (H100)
+# The dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS alone (H100); in the
+# step some 33-64-row shapes still gain from it or from split-K (`gemv_method`).
+MAX_ROWS = 32
 WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it wins to 64 rows
 HEAD_N = 32768  # W this wide is an LM head (or a 32k draft head)
 LARGE_K = 4096  # 7-8B models' hidden size: their few-row rules were measured on the H200
