@@ -223,7 +223,7 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
         return "tma"
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
-    if m <= MAX_DOT_ROWS and k >= LARGE_K and n < WIDE_N:  # a 7-8B model's attention in / out
+    if m <= MAX_DOT_ROWS and k >= LARGE_K:  # a 7-8B model's attention in / out (N < WIDE_N here)
         if n <= k < 2 * n:
             return "split"
         if n > k and m > CUBLAS_QKV_ROWS:
