@@ -243,7 +243,7 @@ def with_replayed_verify_graphs(llm):
     r.graphs = DecodeGraphs(*args, capture=False)
     r.verify_graphs = DecodeGraphs(*args, query_len=r.config.num_speculative_tokens + 1,
                                    capture=False)  # fmt: skip
-    r.draft_graphs = DraftGraphs(r.verify_graphs, r.drafter.draft_tokens)
+    r.draft_graphs = DraftGraphs(r.verify_graphs, r.drafter.draft_tokens, r.graphs.last_sampled)
     return llm
 
 
@@ -260,6 +260,27 @@ def test_verify_graph_path_gives_the_eager_outputs(mimo_dir, reference, overlap,
     assert run(llm, prompts()) == want
     assert llm.engine.runner.verify_graphs.num_replays > 5  # 40 tokens, 3 a step when forced
     assert llm.engine.spec_stats.num_accepted_tokens > 0 or force == 0
+
+
+@pytest.mark.parametrize("force", [None, 1])
+def test_verify_graph_path_samples_seeded_rows_as_the_eager_steps(mimo_dir, force):
+    """Seeded sampled rows through the verify graphs in the overlapped loop: sampled outside
+    the graph (their RNG counters moved by the step in flight's shift entries, which come to
+    the device with the graph's inputs), then drafted in the drafting graph. The eager steps'
+    tokens, with acceptance free (then also plain decoding's) or forced."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
+    ps = prompts(4, seed=1)
+    kw = dict(speculative_method="mtp", num_speculative_tokens=2, max_num_seqs=8,
+              spec_force_accept=force)  # fmt: skip
+    want = run(make_llm(mimo_dir, **kw), ps, params)
+    if force is None:
+        assert want == run(make_llm(mimo_dir), ps, params)
+    llm = with_replayed_verify_graphs(make_llm(mimo_dir, **kw))
+    trace = traced(llm)
+    assert run(llm, ps, params) == want
+    assert trace["from_device"] > 5
+    assert llm.engine.runner.verify_graphs.num_replays > 5
+    assert (llm.engine.spec_stats.num_accepted_tokens > 0) == (force == 1)
 
 
 # -- the overlapped loop with MTP --------------------------------------------------------------

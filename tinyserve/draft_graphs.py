@@ -4,6 +4,7 @@ its two graphs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tinyserve.graph_shapes import round_up
@@ -16,19 +17,24 @@ class DraftGraphs:
     `last_sampled`, the staged drafts and the forced count) and `draft_tokens` (the MTP
     drafting, `MtpDrafter.draft_tokens`) over the replay's hidden states. Padded rows own no KV
     slots (limit 0, no drafts): their chained drafts write the scratch slot. With the verify
-    set's capture=False the same runs eagerly (the CPU tests)."""
+    set's capture=False the same runs eagerly (the CPU tests).
 
-    def __init__(self, verify: DecodeGraphs, draft_tokens) -> None:
+    The drafts a step verifies and its KV limits come with the verify replay's inputs, in its
+    one host-to-device copy (`extras`, the verify set's `extra` arrays); the step's tokens,
+    accepted counts and drafts leave in one device-to-host copy (`results`, `split`). Each
+    separate copy cost the step ~3-9 us of GPU idle (H200 profile, BENCHMARKS.md)."""
+
+    def __init__(self, verify: DecodeGraphs, draft_tokens, decode_last: torch.Tensor | None = None
+                 ) -> None:  # fmt: skip
         self.verify = v = verify
         n, q, dev = v.sizes[-1], v.query_len, v.buffer.device
-        self.draft_next = torch.full((n * q,), -1, dtype=torch.long, device=dev)
-        self.limits = torch.zeros(n, dtype=torch.long, device=dev)
         self.force = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: not forced
-        # The accepted counts live outside the graph pool: the next step's sampling reads them
-        # (seeded counters) after the next verify replay, whose scratch the pool may reuse.
-        self.accepted = torch.zeros(n, dtype=torch.long, device=dev)
         self.staged_force: int | None = None
         self.seg_starts = torch.arange(0, n * q, q, device=dev)
+        # Per size bs: the step's tokens (bs q), accepted counts (bs), then drafts (bs k),
+        # outside the graph pool: the next step's sampling reads the counts after the next
+        # verify replay, whose scratch the pool may reuse. Valid until the next drafting replay.
+        self.results = torch.zeros(2 * n * q, dtype=torch.long, device=dev)
         self.graphs: dict[int, tuple] = {}  # bs -> (graph, outs), or (None, run) eagerly
         pool = v.pool
         for bs in reversed(v.sizes):
@@ -37,12 +43,19 @@ class DraftGraphs:
             def run(bs=bs, key=key) -> tuple[torch.Tensor, torch.Tensor]:
                 # A verify step samples every row: its tokens are the MTP layer's next ids.
                 sampled, starts = v.last_sampled[: bs * q], self.seg_starts[:bs]
-                accepted = accept(sampled, self.draft_next[: bs * q], starts, q, self.force,
-                                  out=self.accepted[:bs])  # fmt: skip
+                draft_next, limits = v.extra_views(bs, [bs * q, bs])
+                res = self.results[: 2 * bs * q]
+                accepted = accept(sampled, draft_next, starts, q, self.force,
+                                  out=res[bs * q : bs * q + bs])  # fmt: skip
                 drafts = draft_tokens(v.metadata[key], v.fields(bs)[2], v.outputs[key][0],
-                                      sampled, starts + accepted, v.block_tables[:bs],
-                                      self.limits[:bs], None)  # fmt: skip
-                return accepted, drafts
+                                      sampled, starts + accepted, v.block_tables[:bs], limits,
+                                      None)  # fmt: skip
+                res[: bs * q].copy_(sampled)
+                res[bs * q + bs :].view(bs, q - 1).copy_(drafts)
+                if decode_last is not None:  # where a decode graph step gathers its inputs
+                    rows = min(bs * q, len(decode_last))
+                    decode_last[:rows].copy_(sampled[:rows])
+                return accepted, res[bs * q + bs :].view(bs, q - 1)
 
             if not v.capture:  # `draft` runs it after the eager replay
                 self.graphs[bs] = (None, run)
@@ -56,31 +69,38 @@ class DraftGraphs:
             self.graphs[bs] = (graph, outs)
         v.pool = pool
 
-    def stage(self, draft_next: torch.Tensor, limits: torch.Tensor,
-              force: int | None) -> torch.Tensor:  # fmt: skip
-        """Before a verify replay: copy the drafts it verifies (R,) and the KV limits (B,) in,
-        and the forced count where it changed (benchmarks); returns the drafts' static view,
-        which the shift of the step in flight then edits in place."""
-        b, q, r = limits.shape[0], self.verify.query_len, draft_next.shape[0]
+    def extras(self, draft_next: list[int], limits: list[int], force: int | None
+               ) -> list[np.ndarray]:  # fmt: skip
+        """The verify replay's `extra` arrays for the drafts it verifies (R,) and the KV
+        limits (B,), padded to the size (padded rows: no drafts, no KV); sets the forced count
+        where it changed (benchmarks)."""
+        b, q = len(limits), self.verify.query_len
         bs = round_up(self.verify.sizes, b)
-        self.draft_next[:r].copy_(draft_next)
-        self.limits[:b].copy_(limits)
-        if b < bs:  # padded rows: no drafts, no KV
-            self.draft_next[r : bs * q].fill_(-1)
-            self.limits[b:bs].zero_()
+        padded_drafts = np.full(bs * q, -1, dtype=np.int64)
+        padded_drafts[: len(draft_next)] = draft_next
+        padded_limits = np.zeros(bs, dtype=np.int64)
+        padded_limits[:b] = limits
         if force != self.staged_force:
             self.force.fill_(-1 if force is None else force)
             self.staged_force = force
-        return self.draft_next[:r]
+        return [padded_drafts, padded_limits]
 
-    def draft(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the verify replay of b rows: replay the accept-and-draft graph of its size
-        (`last_sampled` must hold the step's tokens); (B,) accepted counts, valid until the
-        next drafting replay, and (B, k) drafts, valid only until the next verify replay (they
-        sit in the graph pool, which that replay's scratch may reuse)."""
-        graph, outs = self.graphs[round_up(self.verify.sizes, b)]
+        (`last_sampled` must hold the step's tokens); (B,) accepted counts and (B, k) drafts,
+        and the size's whole `results` (for one copy to the host, `split`)."""
+        bs = round_up(self.verify.sizes, b)
+        graph, outs = self.graphs[bs]
         if graph is None:  # capture=False: `outs` is the run itself
             outs = outs()
         else:
             graph.replay()
-        return outs[0][:b], outs[1][:b]
+        return outs[0][:b], outs[1][:b], self.results[: 2 * bs * self.verify.query_len]
+
+    def split(self, results: torch.Tensor, b: int) -> list[torch.Tensor]:
+        """A copy of `draft`'s results -> the b rows' tokens (b q), accepted counts (b) and
+        drafts (b, k)."""
+        q = self.verify.query_len
+        bs = len(results) // (2 * q)
+        drafts = results[bs * q + bs :].view(bs, q - 1)
+        return [results[: b * q], results[bs * q : bs * q + b], drafts[:b]]

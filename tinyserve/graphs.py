@@ -80,12 +80,17 @@ class DecodeGraphs:
         # buffer[gather]: a host-known id points at its own entry, a token still on the device
         # at the previous step's sampled row. A decode set that mixed graphs share (max_chunk:
         # their longest chunk) holds their layouts too.
+        # A verify set's step also brings its speculative bookkeeping in the same copy, right
+        # after the size's inputs (`run`'s `extra`: the drafts, KV limits and the overlapped
+        # loop's shift entries, up to 7 q + 1 words a row, each array 16-byte aligned).
+        self.extra_words = 0 if prefill or mixed or q == 1 else (7 * q + 1) * n + 2 * 8
         if share is not None:
             self.base, self.buffer = share.base, share.buffer
             self.block_tables = share.block_tables
         else:
             self.base = n * q
             size = max(self._layout(n)[2], self._layout(n, max_chunk)[2] if max_chunk else 0)
+            size += self.extra_words
             self.buffer = torch.zeros(self.base + size, dtype=torch.long, device=dev)
             self.block_tables = torch.full((n + 1, max_blocks_per_seq), scratch_block,
                                            dtype=torch.int32, device=dev)  # fmt: skip
@@ -179,6 +184,20 @@ class DecodeGraphs:
             chunk = self.query_len if self.mixed else 0
         m, seqs = (bs + chunk, bs + 1) if chunk else (bs * self.query_len, bs)
         return m, seqs, 4 * m + seqs + -(-seqs // 2) + (-(-(seqs + 1) // 2) if chunk else 0)
+
+    def _extra_offsets(self, bs: int, sizes: list[int]) -> tuple[list[int], int]:
+        """Buffer offsets of `extra` arrays of these sizes after size bs's inputs, and the end."""
+        offsets, end = [], self.base + self._layout(bs)[2]
+        for n in sizes:
+            offsets.append(end)
+            end += -(-n // 2) * 2  # 16-byte aligned, as a fresh allocation (Triton specializes)
+        assert end - self.base - self._layout(bs)[2] <= self.extra_words, "extra too large"
+        return offsets, end
+
+    def extra_views(self, num_seqs: int, sizes: list[int]) -> list[torch.Tensor]:
+        """Device views of the `extra` arrays a `run` of num_seqs rows copies (sizes as given)."""
+        offsets, _ = self._extra_offsets(round_up(self.sizes, num_seqs), sizes)
+        return [self.buffer[o : o + n] for o, n in zip(offsets, sizes)]
 
     def fields(self, bs: int) -> list[torch.Tensor]:
         """Views of the buffer for padded size bs: ids, gather, positions, slots, logits rows
@@ -280,14 +299,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             context_lens: list[int], tables: np.ndarray,
-            pending: tuple[list[int], list[int]] = ((), ()), fix=None,
+            pending: tuple[list[int], list[int]] = ((), ()), fix=None, extra=(),
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Host inputs of the real batch (B rows of query_len tokens, or one prompt chunk of up
         to query_len tokens; `tables` (B, W) int32); `pending` (dst, src): input dst is the
         previous step's sampled row src, which `last_sampled` holds. Returns hidden (one row
         per token) and logits (one row per token, or the chunk's last token's); `last_sampled`
         then holds their greedy tokens. `fix(ids, positions, slots, context_lens, tables)`
-        edits the copied inputs on the device before the replay."""
+        edits the copied inputs on the device before the replay. `extra` (a verify set's):
+        int64 arrays copied with the inputs, to where `extra_views` points."""
         if self.mixed:
             return self._replay_mixed(input_ids, positions, slots, context_lens, tables, pending)
         b, q = len(context_lens), self.query_len
@@ -297,17 +317,21 @@ class DecodeGraphs:
         if self.prefill:  # queries are a row's last q positions: padding goes after the chunk
             host_ctx[0] += q - n
         pin = self.buffer.is_cuda  # pinned host memory: the copies are async
-        host = torch.empty(4 * m + bs + -(-bs // 2), dtype=torch.long, pin_memory=pin)
+        size = 4 * m + bs + -(-bs // 2)
+        offsets, end = self._extra_offsets(bs, [len(e) for e in extra])
+        host = torch.empty(end - self.base, dtype=torch.long, pin_memory=pin)
         a = host.numpy()
+        for e, o in zip(extra, offsets):
+            a[o - self.base : o - self.base + len(e)] = e
         a[:n], a[n:m] = input_ids, 0
         a[m : 2 * m] = np.arange(self.base, self.base + m)
         a[m + np.asarray(pending[0], dtype=np.int64)] = pending[1]
         a[2 * m : 2 * m + n], a[2 * m + n : 3 * m] = positions, 0
         a[3 * m : 3 * m + n], a[3 * m + n : 4 * m] = slots, self.scratch_slot
         a[4 * m : 4 * m + bs] = n - 1  # the logits row of a prefill graph
-        ctx = a[4 * m + bs :].view(np.int32)
+        ctx = a[4 * m + bs : size].view(np.int32)
         ctx[:b], ctx[b:] = host_ctx, q
-        self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
+        self.buffer[self.base : end].copy_(host, non_blocking=True)
         # Columns past the width and padded rows may hold stale ids: only read (never written)
         # and only up to context_lens, so they are harmless.
         host_tables = host_array(tables, torch.int32, pin)

@@ -87,7 +87,8 @@ class ModelRunner:
                 q = config.num_speculative_tokens + 1
                 self.verify_graphs = DecodeGraphs(*args, query_len=q, pool=self.graphs.pool)
                 if self.drafter is not None:  # the MTP head's drafts after a verify replay, too
-                    self.draft_graphs = DraftGraphs(self.verify_graphs, self.drafter.draft_tokens)
+                    self.draft_graphs = DraftGraphs(self.verify_graphs, self.drafter.draft_tokens,
+                                                    self.graphs.last_sampled)  # fmt: skip
         self.lane = build_lane(self.model, config, self.max_blocks_per_seq, self.num_kv_blocks)
         if self.device.type == "cuda":
             compile_start_up(self)
@@ -233,25 +234,35 @@ class ModelRunner:
         """
         h = build_host_inputs(batch, self.block_size, self.mtp is not None)
         graphs = self._graphs_for(h)
-        # Plain graph steps copy nothing else to the device: the graph reads its own buffer.
-        x = self._device_inputs(h) if graphs is None or h.spec or self.mtp is not None else None
-        fix = None
         # A verify-graph step of an MTP model accepts and drafts in a graph of its own, right
-        # after the verify replay: its inputs are staged in that graph's buffers first.
+        # after the verify replay; its drafts, KV limits and shift entries go to the device with
+        # the replay's inputs (`extra`), so it needs no StepInputs. Plain graph steps copy
+        # nothing else either: the graph reads its own buffer.
         graphed = self.mtp is not None and graphs is not None and graphs is self.verify_graphs
-        draft_next = x.draft_next if x is not None else None
+        plain = graphs is not None and not h.spec and self.mtp is None
+        x = None if graphed or plain else self._device_inputs(h)
+        extra, fix = (), None
         if graphed:
-            draft_next = self.draft_graphs.stage(x.draft_next, x.kv_limits,
-                                                 self.config.spec_force_accept)  # fmt: skip
-        if x is not None and x.shift is not None:  # tokens of the MTP step in flight
+            extra = self.draft_graphs.extras(h.draft_next, h.limits, self.config.spec_force_accept)
+            if h.shift_tok:
+                extra += [h.shift_tok, h.shift_seq, h.shift_j, h.shift_row, h.shift_num,
+                          h.shift_logit]  # fmt: skip
+            views = graphs.extra_views(len(h.q_lens), [len(e) for e in extra])
+            draft_next, shift = views[0][: len(h.draft_next)], tuple(views[2:]) or None
+            seg_dev = self.draft_graphs.seg_starts[: len(h.seg_starts)]  # every row q rows
+        else:
+            draft_next = x.draft_next if x is not None else None
+            shift = x.shift if x is not None else None
+            seg_dev = x.seg_starts if x is not None else None
+        if shift is not None:  # tokens of the MTP step in flight
 
             def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
                 outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
-                shift_inputs(x.shift, outs, inputs, self.block_size, draft_next)
+                shift_inputs(shift, outs, inputs, self.block_size, draft_next)
 
             # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
             # otherwise the eager forward or the eager MTP drafting reads these.
-            if graphs is None or graphs is not self.verify_graphs:
+            if not graphed:
                 md = x.metadata
                 fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables)
                 # A decode graph (eager MTP drafting) still fixes its own input buffers; the
@@ -264,7 +275,7 @@ class ModelRunner:
                     md.max_context_len += self.config.num_speculative_tokens
         if graphs is not None:
             hidden, all_logits = graphs.run(h.input_ids, h.positions, h.slots, h.ctx_lens,
-                                            h.tables, (h.dst, h.src), fix)  # fmt: skip
+                                            h.tables, (h.dst, h.src), fix, extra)  # fmt: skip
         else:
             if x.pending is not None:  # the overlapped loop: inputs sampled by `prev`
                 dst, src = x.pending
@@ -295,10 +306,8 @@ class ModelRunner:
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
         else:
             self._mask_stop_tokens(logits, rows)
-            shift = None
-            if x is not None and x.shift is not None:
-                shift = self._step_shift(prev, x.shift, len(rows))
-            st = SamplingTensors.build(rows, logits.shape[-1], self.device, shift)
+            steps = self._step_shift(prev, shift, len(rows)) if shift is not None else None
+            st = SamplingTensors.build(rows, logits.shape[-1], self.device, steps)
             result = sample(logits, st)
         sampled = result.token_ids
         # spec_force_accept (benchmarks): the first f drafts become the emitted tokens, written
@@ -309,22 +318,27 @@ class ModelRunner:
             if sampled.data_ptr() != own.data_ptr():
                 own.copy_(sampled)
             sampled = own
-            accepted, drafts = self.draft_graphs.draft(len(x.seg_starts))
+            # It also copies them to where the next decode graph step gathers its inputs.
+            accepted, drafts, results = self.draft_graphs.draft(len(h.seg_starts))
         elif x is not None and x.draft_next is not None:
             accepted = accept(sampled, x.draft_next, x.seg_starts,
                               self.config.num_speculative_tokens + 1,
                               self.config.spec_force_accept)  # fmt: skip
         last = self.graphs.last_sampled if self.graphs is not None else None
-        if last is not None and sampled.data_ptr() != last.data_ptr() and len(rows) <= len(last):
+        if (not graphed and last is not None and sampled.data_ptr() != last.data_ptr()
+                and len(rows) <= len(last)):  # fmt: skip
             last[: len(rows)].copy_(sampled)  # where the next graph step gathers its inputs
         if self.mtp is not None and not graphed:
             drafts = self.drafter.drafts(x, hidden, sampled, accepted)
         step = PendingStep(h.seg_starts, rows, sampled)
         if self.mtp is not None:  # the next step may start from these on the device
-            step.seg_dev, step.accepted, step.drafts = x.seg_starts, accepted, drafts
+            step.seg_dev, step.accepted, step.drafts = seg_dev, accepted, drafts
         # Device -> pinned host copies, then an event: `result()` waits on that event only.
-        step.host = [to_host(t) for t in (sampled, accepted, drafts, result.logprobs,
-                                           result.top_ids, result.top_logprobs)]  # fmt: skip
+        logprobs = [to_host(t) for t in (result.logprobs, result.top_ids, result.top_logprobs)]
+        if graphed:  # tokens, accepted counts and drafts in one copy
+            step.host = self.draft_graphs.split(to_host(results), len(h.seg_starts)) + logprobs
+        else:
+            step.host = [to_host(t) for t in (sampled, accepted, drafts)] + logprobs
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
             step.event.record()
