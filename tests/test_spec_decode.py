@@ -262,6 +262,25 @@ def test_verify_graph_path_gives_the_eager_outputs(mimo_dir, reference, overlap,
     assert llm.engine.spec_stats.num_accepted_tokens > 0 or force == 0
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_verify_graph_extras_are_aligned_and_apart_from_the_inputs(mimo_dir, k):
+    """Each size's extra arrays (drafts, limits, shift entries) start 16-byte aligned (Triton
+    specializes kernels on it: a misaligned view would compile a variant), after the size's
+    inputs and inside the buffer, at the largest shift the step can carry."""
+    llm = with_replayed_verify_graphs(
+        make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=k, max_num_seqs=7)
+    )
+    v = llm.engine.runner.verify_graphs
+    q = k + 1
+    for bs in v.sizes:
+        sizes = [bs * q, bs] + [bs * q] * 6
+        views = v.extra_views(bs, sizes)
+        inputs_end = v.fields(bs)[-1].data_ptr() + 8  # the layout's last words
+        assert all(t.data_ptr() % 16 == 0 for t in views)
+        assert views[0].data_ptr() >= inputs_end - 8
+        assert views[-1].data_ptr() + 8 * sizes[-1] <= v.buffer.data_ptr() + 8 * len(v.buffer)
+
+
 @pytest.mark.parametrize("force", [None, 1])
 def test_verify_graph_path_samples_seeded_rows_as_the_eager_steps(mimo_dir, force):
     """Seeded sampled rows through the verify graphs in the overlapped loop: sampled outside

@@ -83,7 +83,7 @@ class DecodeGraphs:
         # A verify set's step also brings its speculative bookkeeping in the same copy, right
         # after the size's inputs (`run`'s `extra`: the drafts, KV limits and the overlapped
         # loop's shift entries, up to 7 q + 1 words a row, each array 16-byte aligned).
-        self.extra_words = 0 if prefill or mixed or q == 1 else (7 * q + 1) * n + 2 * 8
+        self.extra_words = 0 if prefill or mixed or q == 1 else (7 * q + 1) * n + 2 * 9
         if share is not None:
             self.base, self.buffer = share.base, share.buffer
             self.block_tables = share.block_tables
@@ -187,11 +187,12 @@ class DecodeGraphs:
 
     def _extra_offsets(self, bs: int, sizes: list[int]) -> tuple[list[int], int]:
         """Buffer offsets of `extra` arrays of these sizes after size bs's inputs, and the end."""
-        offsets, end = [], self.base + self._layout(bs)[2]
+        start = self.base + self._layout(bs)[2]
+        offsets, end = [], start + (start % 2 if sizes else 0)
         for n in sizes:
             offsets.append(end)
             end += -(-n // 2) * 2  # 16-byte aligned, as a fresh allocation (Triton specializes)
-        assert end - self.base - self._layout(bs)[2] <= self.extra_words, "extra too large"
+        assert end - start <= self.extra_words, "extra too large"
         return offsets, end
 
     def extra_views(self, num_seqs: int, sizes: list[int]) -> list[torch.Tensor]:
