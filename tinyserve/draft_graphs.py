@@ -24,8 +24,7 @@ class DraftGraphs:
     accepted counts and drafts leave in one device-to-host copy (`results`, `split`). The five
     copies this saves took 10-18 us a step (H200, MiMo-7B; BENCHMARKS.md, forty-first session)."""
 
-    def __init__(self, verify: DecodeGraphs, draft_tokens, decode_last: torch.Tensor | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(self, verify: DecodeGraphs, draft_tokens, decode_last: torch.Tensor) -> None:
         self.verify = v = verify
         n, q, dev = v.sizes[-1], v.query_len, v.buffer.device
         self.force = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: not forced
@@ -44,18 +43,15 @@ class DraftGraphs:
                 # A verify step samples every row: its tokens are the MTP layer's next ids.
                 sampled, starts = v.last_sampled[: bs * q], self.seg_starts[:bs]
                 draft_next, limits = v.extra_views(bs, [bs * q, bs])
-                res = self.results[: 2 * bs * q]
-                accepted = accept(sampled, draft_next, starts, q, self.force,
-                                  out=res[bs * q : bs * q + bs])  # fmt: skip
-                drafts = draft_tokens(v.metadata[key], v.fields(bs)[2], v.outputs[key][0],
-                                      sampled, starts + accepted, v.block_tables[:bs], limits,
-                                      None)  # fmt: skip
-                res[: bs * q].copy_(sampled)
-                res[bs * q + bs :].view(bs, q - 1).copy_(drafts)
-                if decode_last is not None:  # where a decode graph step gathers its inputs
-                    rows = min(bs * q, len(decode_last))
-                    decode_last[:rows].copy_(sampled[:rows])
-                return accepted, res[bs * q + bs :].view(bs, q - 1)
+                tokens, accepted, drafts = self._parts(self.results[: 2 * bs * q], bs)
+                accept(sampled, draft_next, starts, q, self.force, out=accepted)
+                drafts.copy_(draft_tokens(v.metadata[key], v.fields(bs)[2], v.outputs[key][0],
+                                          sampled, starts + accepted, v.block_tables[:bs],
+                                          limits, None))  # fmt: skip
+                tokens.copy_(sampled)
+                rows = min(bs * q, len(decode_last))  # where a decode graph step gathers inputs
+                decode_last[:rows].copy_(sampled[:rows])
+                return accepted, drafts
 
             if not v.capture:  # `draft` runs it after the eager replay
                 self.graphs[bs] = (None, run)
@@ -101,6 +97,10 @@ class DraftGraphs:
         """A copy of `draft`'s results -> the b rows' tokens (b q), accepted counts (b) and
         drafts (b, k)."""
         q = self.verify.query_len
-        bs = len(results) // (2 * q)
-        drafts = results[bs * q + bs :].view(bs, q - 1)
-        return [results[: b * q], results[bs * q : bs * q + b], drafts[:b]]
+        tokens, accepted, drafts = self._parts(results, len(results) // (2 * q))
+        return [tokens[: b * q], accepted[:b], drafts[:b]]
+
+    def _parts(self, results: torch.Tensor, bs: int) -> tuple[torch.Tensor, ...]:
+        """Size bs's results (2 bs q) -> its tokens (bs q), accepted counts (bs), drafts (bs, k)."""
+        q = self.verify.query_len
+        return results[: bs * q], results[bs * q : bs * q + bs], results[bs * q + bs :].view(bs, -1)

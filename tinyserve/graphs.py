@@ -318,7 +318,7 @@ class DecodeGraphs:
         if self.prefill:  # queries are a row's last q positions: padding goes after the chunk
             host_ctx[0] += q - n
         pin = self.buffer.is_cuda  # pinned host memory: the copies are async
-        size = 4 * m + bs + -(-bs // 2)
+        size = self._layout(bs)[2]
         offsets, end = self._extra_offsets(bs, [len(e) for e in extra])
         host = torch.empty(end - self.base, dtype=torch.long, pin_memory=pin)
         a = host.numpy()
