@@ -74,17 +74,21 @@ def _race_chunk_kernel(
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _race_pick_kernel(best_ptr, best_idx_ptr, out_ptr, num_chunks,
-                      BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """BLOCK_C covers the most chunks the vocabulary can take (a tile each), whatever the batch."""
+def _race_pick_kernel(best_ptr, best_idx_ptr, ids_ptr, out_ptr, num_chunks,
+                      BLOCK_C: tl.constexpr, HAS_IDS: tl.constexpr,
+                      USE_PDL: tl.constexpr):  # fmt: skip
+    """BLOCK_C covers the most chunks the vocabulary can take (a tile each), whatever the batch.
+    HAS_IDS: column v stands for token ids[v] (a draft head's token map)."""
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     best = tl.load(best_ptr + b * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
     top = tl.max(best, 0)
     first = tl.min(tl.where(best == top, c, BLOCK_C), 0)  # chunks are in vocab order
-    idx = tl.load(best_idx_ptr + b * num_chunks + first)
-    tl.store(out_ptr + b, idx.to(tl.int64))
+    idx = tl.load(best_idx_ptr + b * num_chunks + first).to(tl.int64)
+    if HAS_IDS:
+        idx = tl.load(ids_ptr + idx).to(tl.int64)
+    tl.store(out_ptr + b, idx)
 
 
 def sample_race(
@@ -109,13 +113,16 @@ def sample_race(
     return _race(x, keys, greedy, out, num_chunks, has_greedy=is_greedy is not None)
 
 
-def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None, ids: torch.Tensor | None = None
+           ) -> torch.Tensor:  # fmt: skip
     """x (B, V) float32 -> (B,) int64 ids of each row's maximum, into `out` if given: the first
-    on ties (torch.argmax's rule); NaN never wins (torch's would). The race without the noise,
-    in chunks of two tiles (`_race`). H200, CUDA-graph timed, us at V = 151,680, torch.argmax
-    / ~2 programs an SM (before) / two-tile chunks: 1 row 8.3 / 2.6 / 2.6, 16 rows 12.8 / 10.3
-    / 5.5, 32 18.5 / 17.4 / 8.6, 64 25.6 / 28.9 / 13.7, 128 36.4 / 47.4 / 24.6; V = 32,768 (a
-    draft head) at 64 rows 12.7 / 8.6 / 5.3 (BENCHMARKS.md, thirty-fifth session)."""
+    on ties (torch.argmax's rule); NaN never wins (torch's would); with `ids` (V,) int64, the
+    maximum v's ids[v] (a draft head's token map, without a gather kernel). The race without
+    the noise, in chunks of two tiles (`_race`). H200, CUDA-graph timed, us at V = 151,680,
+    torch.argmax / ~2 programs an SM (before) / two-tile chunks: 1 row 8.3 / 2.6 / 2.6, 16 rows
+    12.8 / 10.3 / 5.5, 32 18.5 / 17.4 / 8.6, 64 25.6 / 28.9 / 13.7, 128 36.4 / 47.4 / 24.6;
+    V = 32,768 (a draft head) at 64 rows 12.7 / 8.6 / 5.3 (BENCHMARKS.md, thirty-fifth
+    session)."""
     check(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, "x (B, V) float32")
     check(x.shape[1] < 2**31, "vocab too large")
     if out is None:
@@ -123,11 +130,15 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     check(out.shape == x.shape[:1] and out.dtype == torch.int64 and out.is_contiguous(),
           "out must be (B,) int64, contiguous")  # fmt: skip
     check(out.device == x.device, "x and out on one device")
-    return _race(x, out, out, out, None, all_greedy=True)
+    if ids is not None:
+        check(ids.shape == x.shape[1:] and ids.dtype == torch.int64 and ids.is_contiguous(),
+              "ids must be (V,) int64, contiguous")  # fmt: skip
+        check(ids.device == x.device, "x and ids on one device")
+    return _race(x, out, out, out, None, all_greedy=True, ids=ids)
 
 
 def _race(x, keys, greedy, out, num_chunks: int | None, has_greedy: bool = False,
-          all_greedy: bool = False) -> torch.Tensor:  # fmt: skip
+          all_greedy: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Pass 1: the best (value, id) of each vocab chunk; pass 2: the best chunk's id, into out.
     By default chunks of two tiles, at any batch: a program's loop waits on each tile's load,
     so the ~2 programs an SM over the batch this took before (chunks of 30 tiles at 64 rows of
@@ -153,8 +164,8 @@ def _race(x, keys, greedy, out, num_chunks: int | None, has_greedy: bool = False
         num_warps=4, **pdl(x.device),
     )  # fmt: skip
     _race_pick_kernel[(batch,)](
-        best, best_idx, out, num_chunks, BLOCK_C=next_pow2(tiles),
-        num_warps=1, **pdl(x.device),
+        best, best_idx, out if ids is None else ids, out, num_chunks, BLOCK_C=next_pow2(tiles),
+        HAS_IDS=ids is not None, num_warps=1, **pdl(x.device),
     )  # fmt: skip
     return out
 

@@ -7,6 +7,8 @@ the draft proposed for the position after row r, -1 where none, so a segment's l
 mismatches. A sequence accepts its drafts up to the first row whose sampled token differs.
 `force` (benchmarks only) accepts min(force, drafts) whatever the target says, and writes those
 drafts into `sampled` in place (the tokens the step then emits); as a device tensor, -1 is none.
+`last` (S,) int64 receives each segment's last verified row, seg_starts + accepted (where the
+MTP head drafts from), without a kernel of its own.
 The torch version took ~15 small launches, paid on every speculative step.
 """
 
@@ -21,10 +23,11 @@ from ._common import check, next_pow2
 
 # Counts vary by step: Triton would compile a variant for each int that is 1 or a multiple of 16
 # (a force of 1 became a constant, which failed to compile) and for each pointer's alignment.
-@triton.jit(do_not_specialize=["sampled_ptr", "draft_ptr", "starts_ptr", "acc_ptr", "num_rows",
-                             "num_segs", "force", "force_ptr"])  # fmt: skip
-def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, num_rows, num_segs, force,
-                   force_ptr, BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["sampled_ptr", "draft_ptr", "starts_ptr", "acc_ptr", "last_ptr",
+                             "num_rows", "num_segs", "force", "force_ptr"])  # fmt: skip
+def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, last_ptr, num_rows, num_segs,
+                   force, force_ptr, BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr,
+                   HAS_LAST: tl.constexpr):  # fmt: skip
     s = tl.program_id(0)
     start = tl.load(starts_ptr + s)
     end = tl.load(starts_ptr + s + 1, mask=s + 1 < num_segs, other=num_rows)
@@ -42,6 +45,8 @@ def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, num_rows, num_se
         token = tl.load(sampled_ptr + rows, mask=inside, other=-1)
         accepted = tl.min(tl.where(inside & (token != draft), i, BLOCK_R), 0).to(tl.int64)
     tl.store(acc_ptr + s, accepted)
+    if HAS_LAST:
+        tl.store(last_ptr + s, start + accepted)
 
 
 def accept_drafts(
@@ -51,10 +56,11 @@ def accept_drafts(
     max_rows: int,
     force: int | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Segments are at most `max_rows` rows long (k + 1). `force` may also be a (1,) int64
     device tensor, -1 for none (read by the kernel: a graph replays it with its current
-    value); `out` (S,) int64 receives the counts."""
+    value); `out` (S,) int64 receives the counts, `last` (S,) int64 the last verified rows."""
     check(sampled.dtype == draft_next.dtype == seg_starts.dtype == torch.long, "int64 inputs")
     check(sampled.shape == draft_next.shape and sampled.dim() == 1, "sampled, draft_next: (R,)")
     check(sampled.is_contiguous() and draft_next.is_contiguous() and seg_starts.is_contiguous(),
@@ -65,11 +71,14 @@ def accept_drafts(
     accepted = out if out is not None else torch.empty(num_segs, dtype=torch.long,
                                                        device=sampled.device)  # fmt: skip
     check(accepted.shape == (num_segs,) and accepted.dtype == torch.long, "out: (S,) int64")
+    check(last is None or (last.shape == (num_segs,) and last.dtype == torch.long
+                           and last.is_contiguous()), "last: (S,) int64")  # fmt: skip
     if num_segs:
         _accept_kernel[(num_segs,)](
-            sampled, draft_next, seg_starts, accepted, sampled.shape[0], num_segs,
-            -1 if force is None or at else force, force if at else accepted,
-            BLOCK_R=next_pow2(max(max_rows, 2)), FORCE_AT=at,
+            sampled, draft_next, seg_starts, accepted, accepted if last is None else last,
+            sampled.shape[0], num_segs, -1 if force is None or at else force,
+            force if at else accepted, BLOCK_R=next_pow2(max(max_rows, 2)), FORCE_AT=at,
+            HAS_LAST=last is not None,
         )  # fmt: skip
     return accepted
 
@@ -80,6 +89,7 @@ def accept_drafts_ref(
     seg_starts: torch.Tensor,
     force: int | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch ops, no host sync: the first mismatching row of each segment by scatter-min."""
     num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
@@ -97,6 +107,8 @@ def accept_drafts_ref(
         accepted = torch.where(force >= 0, forced, accepted)
         take = (force >= 0) & (rows - seg_starts[seg_ids] < accepted[seg_ids])
         sampled.copy_(torch.where(take, draft_next, sampled))
+    if last is not None:
+        torch.add(seg_starts, accepted, out=last)
     return accepted if out is None else out.copy_(accepted)
 
 
@@ -107,9 +119,10 @@ def accept(
     max_rows: int,
     force: int | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`accept_drafts` on a CUDA device, `accept_drafts_ref` elsewhere (the CPU runs no
     compiled Triton)."""
     if sampled.is_cuda:
-        return accept_drafts(sampled, draft_next, seg_starts, max_rows, force, out)
-    return accept_drafts_ref(sampled, draft_next, seg_starts, force, out)
+        return accept_drafts(sampled, draft_next, seg_starts, max_rows, force, out, last)
+    return accept_drafts_ref(sampled, draft_next, seg_starts, force, out, last)

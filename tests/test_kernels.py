@@ -31,6 +31,7 @@ from tinyserve.kernels.gemv_config import (  # noqa: E402
     stream_config,
     stream_stages,
 )
+from tinyserve.kernels.mtp_input import mtp_input, mtp_input_ref  # noqa: E402
 from tinyserve.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_ref,
@@ -570,6 +571,34 @@ def test_rms_norm_per_head_strided_in_place():
     assert_elem(residual, expected[1], BF16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_first", [True, False])
+def test_mtp_input(dtype, hidden_first):
+    """cat[norm(hidden), norm(embed[ids])] with position-0 rows' embedding zeroed (its half
+    all zero), the halves in either order, hidden a strided view, into a poisoned out."""
+    n = 300  # not a power of two: masked columns
+    hidden = randn(6, n + 20, dtype=dtype, scale=3.0)[:, :n]
+    ids = torch.tensor([3, 0, 9, 3, 1, 7], device=DEVICE)
+    positions = torch.tensor([5, 0, 17, 1, 0, 2], device=DEVICE)
+    embed, hw, tw = randn(10, n, dtype=dtype), randn(n, dtype=dtype), randn(n, dtype=dtype)
+    out = torch.full((6, 2 * n), float("nan"), dtype=dtype, device=DEVICE)
+    res = mtp_input(hidden, ids, positions, embed, hw, tw, 1e-6, hidden_first, out=out)
+    assert res is out
+    assert_elem(out, mtp_input_ref(hidden, ids, positions, embed, hw, tw, 1e-6, hidden_first),
+                dtype)  # fmt: skip
+    token_half = out[:, n:] if hidden_first else out[:, :n]
+    assert (token_half[positions == 0] == 0).all() and (token_half[positions != 0] != 0).any()
+
+
+def test_mtp_input_rejects_bad_inputs():
+    h, w = randn(2, 8, dtype=BF16), randn(8, dtype=BF16)
+    ids = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        mtp_input(h, ids, ids, randn(4, 8), w, w, 1e-6)
+    with pytest.raises(ValueError, match="ids, positions"):
+        mtp_input(h, ids[:1], ids, randn(4, 8, dtype=BF16), w, w, 1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_rms_norm_rows_per_program(rows):
     x, r, w = randn(13, 64, dtype=BF16), randn(13, 64, dtype=BF16), randn(64, dtype=BF16)
@@ -960,6 +989,18 @@ def test_accept_drafts_per_segment():
         assert forced.tolist() == [5, 6, 7, 8, 2, 3, 4, 9]
 
 
+@pytest.mark.parametrize("force", [None, 1])
+def test_accept_drafts_writes_the_last_verified_rows(force):
+    """`last`: each segment's start plus its accepted count, from the kernel and the ref."""
+    sampled, draft_next = _long([5, 6, 7, 1, 2, 3, 4, 9]), _long([5, 6, -1, 8, 2, 3, -1, -1])
+    starts = _long([0, 3, 7])
+    want = [2, 3, 7] if force is None else [1, 4, 7]
+    for fn, args in ((accept_drafts, (starts, 4)), (accept_drafts_ref, (starts,))):
+        last = _long([-9, -9, -9])
+        fn(sampled.clone(), draft_next, *args, force=force, last=last)
+        assert last.tolist() == want
+
+
 def test_accept_drafts_reads_a_device_force():
     """force as a (1,) device tensor (what a CUDA graph replays): -1 accepts by the tokens, a
     count forces as the int does, into `out`."""
@@ -1101,6 +1142,18 @@ def test_argmax(batch, vocab):
     assert torch.equal(out, x.argmax(-1))
     assert out[0] == 3
     assert torch.equal(argmax(x[:, : vocab // 2]), x[:, : vocab // 2].argmax(-1))  # strided rows
+
+
+def test_argmax_through_a_token_map():
+    """With `ids` (a draft head's token map) the maximum's mapped id, ties as without."""
+    x = randn(5, 3000, scale=4.0)
+    x[0, 2500] = x[0, 7] = x[0].max() + 1  # a tie across chunks: column 7 wins
+    ids = torch.randperm(50000, device=DEVICE)[:3000]
+    out = torch.full((5,), -7, dtype=torch.int64, device=DEVICE)
+    assert argmax(x, out, ids) is out
+    assert torch.equal(out, ids[x.argmax(-1)]) and out[0] == ids[7]
+    with pytest.raises(ValueError, match="ids must be"):
+        argmax(x, ids=ids[:10])
 
 
 def test_race_takes_chunks_of_two_tiles_at_any_batch(monkeypatch):

@@ -44,10 +44,10 @@ class DraftGraphs:
                 sampled, starts = v.last_sampled[: bs * q], self.seg_starts[:bs]
                 draft_next, limits = v.extra_views(bs, [bs * q, bs])
                 tokens, accepted, drafts = self._parts(self.results[: 2 * bs * q], bs)
-                accept(sampled, draft_next, starts, q, self.force, out=accepted)
-                drafts.copy_(draft_tokens(v.metadata[key], v.fields(bs)[2], v.outputs[key][0],
-                                          sampled, starts + accepted, v.block_tables[:bs],
-                                          limits, None))  # fmt: skip
+                chosen = torch.empty_like(starts)  # each row's last verified token
+                accept(sampled, draft_next, starts, q, self.force, out=accepted, last=chosen)
+                draft_tokens(v.metadata[key], v.fields(bs)[2], v.outputs[key][0], sampled,
+                             chosen, v.block_tables[:bs], limits, None, out=drafts)  # fmt: skip
                 tokens.copy_(sampled)
                 rows = min(bs * q, len(decode_last))  # where a decode graph step gathers inputs
                 decode_last[:rows].copy_(sampled[:rows])

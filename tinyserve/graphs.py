@@ -222,10 +222,10 @@ class DecodeGraphs:
         else:
             md = self._metadata(bs, shared, splits, slots, ctx, host_ctx or [])
         self.metadata[bs, shared, splits] = md
+        # A verify set's hidden states go where its drafting graph reads them (no copy).
+        out = None if self.hidden is None else self.hidden[: len(gather)]
         with forward_context(md):
-            hidden = self.model(self.buffer[gather], positions)
-        if self.hidden is not None:
-            hidden = self.hidden[: hidden.shape[0]].copy_(hidden)
+            hidden = self.model(self.buffer[gather], positions, out)
         last = hidden.index_select(0, rows) if self.prefill or self.mixed else hidden
         logits = self.model.compute_logits(last, out=self.logits[: last.shape[0]])
         # The greedy tokens, where the next step's gather finds them (it reads them before

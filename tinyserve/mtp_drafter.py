@@ -40,16 +40,20 @@ class MtpDrafter:
 
     def draft_tokens(self, md: AttentionMetadata, positions: torch.Tensor, hidden: torch.Tensor,
                      next_ids: torch.Tensor, chosen: torch.Tensor, tables: torch.Tensor,
-                     limits: torch.Tensor, max_kv_limit: int | None) -> torch.Tensor:  # fmt: skip
-        """The MTP head over the step's tokens (writing its KV), then k drafts per sequence: the
-        first from the entry at the last verified position `chosen` (whose next token is the one
-        just sampled), the others chaining the head on its own output one position further,
-        writing KV into the row's lookahead slots (`limits`; rewritten once verified)."""
-        out = self.first_pass(md, positions, hidden, next_ids)
-        h = out[chosen]
-        token = self.mtp.draft(h)
+                     limits: torch.Tensor, max_kv_limit: int | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The MTP head over the step's tokens (writing its KV), then k drafts per sequence
+        (S, k), into `out` if given: the first from the entry at the last verified position
+        `chosen` (whose next token is the one just sampled), the others chaining the head on
+        its own output one position further, writing KV into the row's lookahead slots
+        (`limits`; rewritten once verified)."""
+        h = self.first_pass(md, positions, hidden, next_ids)[chosen]
         if self.k == 1:  # no chain: skip its setup (two kernels a verify step)
-            return token[:, None]
+            if out is None:
+                return self.mtp.draft(h)[:, None]
+            self.mtp.draft(h, out[:, 0])
+            return out
+        token = self.mtp.draft(h)
         drafts = [token]
         bs, num = self.block_size, chosen.shape[0]
         pos = positions[chosen]
@@ -74,4 +78,4 @@ class MtpDrafter:
                 h = self.mtp(token, h, pos.clamp(max=self.max_position), target_hidden=False)
             token = self.mtp.draft(h)
             drafts.append(token)
-        return torch.stack(drafts, dim=1)
+        return torch.stack(drafts, dim=1, out=out)

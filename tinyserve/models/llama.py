@@ -112,13 +112,15 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """(T,) ids -> (T, H) hidden states before the final norm, into `out` if given."""
         hidden = self.embed_tokens(input_ids)  # (T, H)
         rope = self.rotary_emb.bind(positions)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope)
-        return hidden + residual  # HF's last residual add, in the activation dtype
+        return torch.add(hidden, residual, out=out)  # HF's last residual add, in model dtype
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: nn.Module | None = None  # models.mtp.MTPHead, set by the loader when drafting
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return self.model(input_ids, positions, out)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden), out)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig, UnsupportedModel
+from tinyserve.kernels.mtp_input import mtp_input, mtp_input_ref
 from tinyserve.layers.embedding import LMHead
 from tinyserve.layers.linear import Linear
 from tinyserve.layers.norm import RMSNorm
@@ -147,10 +148,10 @@ class MTPHead(nn.Module):
         model = self.target.model
         if target_hidden and self.layout.normed_hidden:
             hidden = model.norm(hidden)
-        embeds = model.embed_tokens(input_ids)
-        embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
-        parts = [layer.hidden_norm(hidden), layer.token_norm(embeds)]
-        x = layer.proj(torch.cat(parts if self.layout.hidden_first else parts[::-1], dim=-1))
+        fused = mtp_input if hidden.is_cuda else mtp_input_ref  # one kernel for six
+        x = layer.proj(fused(hidden, input_ids, positions, model.embed_tokens.weight,
+                             layer.hidden_norm.weight, layer.token_norm.weight,
+                             layer.hidden_norm.eps, self.layout.hidden_first))  # fmt: skip
         x, residual = layer.block(x, None, model.rotary_emb.bind(positions))
         return layer.final_norm(x, residual)[0]
 
@@ -166,9 +167,9 @@ class MTPHead(nn.Module):
             self.draft_head = LMHead(len(token_ids), weight.shape[1])
         self.draft_head.weight = nn.Parameter(weight[self.draft_ids], requires_grad=False)
 
-    def draft(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, H) normed MTP outputs -> (N,) greedy drafts (the verification rule needs a
-        deterministic draft, spec_decode.py)."""
+    def draft(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, H) normed MTP outputs -> (N,) greedy drafts, into `out` if given (the
+        verification rule needs a deterministic draft, spec_decode.py)."""
         if self.draft_head is None:
-            return greedy(self.compute_logits(hidden))
-        return self.draft_ids[greedy(self.draft_head(hidden))]
+            return greedy(self.compute_logits(hidden), out)
+        return greedy(self.draft_head(hidden), out, ids=self.draft_ids)
