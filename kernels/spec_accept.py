@@ -8,7 +8,9 @@ mismatches. A sequence accepts its drafts up to the first row whose sampled toke
 `force` (benchmarks only) accepts min(force, drafts) whatever the target says, and writes those
 drafts into `sampled` in place (the tokens the step then emits); as a device tensor, -1 is none.
 `last` (S,) int64 receives each segment's last verified row, seg_starts + accepted (where the
-MTP head drafts from), without a kernel of its own.
+MTP head drafts from), and `copies` (two int64 tensors) the step's tokens, each up to its
+length (the drafting graph's results and the decode graphs' inputs), without kernels of their
+own.
 The torch version took ~15 small launches, paid on every speculative step.
 """
 
@@ -24,10 +26,12 @@ from ._common import check, next_pow2
 # Counts vary by step: Triton would compile a variant for each int that is 1 or a multiple of 16
 # (a force of 1 became a constant, which failed to compile) and for each pointer's alignment.
 @triton.jit(do_not_specialize=["sampled_ptr", "draft_ptr", "starts_ptr", "acc_ptr", "last_ptr",
-                             "num_rows", "num_segs", "force", "force_ptr"])  # fmt: skip
-def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, last_ptr, num_rows, num_segs,
-                   force, force_ptr, BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr,
-                   HAS_LAST: tl.constexpr):  # fmt: skip
+                             "copy_a_ptr", "copy_b_ptr", "len_a", "len_b", "num_rows",
+                             "num_segs", "force", "force_ptr"])  # fmt: skip
+def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, last_ptr, copy_a_ptr,
+                   copy_b_ptr, len_a, len_b, num_rows, num_segs, force, force_ptr,
+                   BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr, HAS_LAST: tl.constexpr,
+                   HAS_COPIES: tl.constexpr):  # fmt: skip
     s = tl.program_id(0)
     start = tl.load(starts_ptr + s)
     end = tl.load(starts_ptr + s + 1, mask=s + 1 < num_segs, other=num_rows)
@@ -37,16 +41,21 @@ def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, last_ptr, num_ro
     draft = tl.load(draft_ptr + rows, mask=inside, other=-1)
     if FORCE_AT:  # the count lives on the device: a CUDA graph reads it at each replay
         force = tl.load(force_ptr)
+    token = tl.load(sampled_ptr + rows, mask=inside, other=-1)
     if force >= 0:
         last = tl.min(tl.where(inside & (draft < 0), i, BLOCK_R), 0)
         accepted = tl.minimum(last.to(tl.int64), force.to(tl.int64))
-        tl.store(sampled_ptr + rows, draft, mask=inside & (i < accepted))
+        take = inside & (i < accepted)
+        tl.store(sampled_ptr + rows, draft, mask=take)
+        token = tl.where(take, draft, token)
     else:
-        token = tl.load(sampled_ptr + rows, mask=inside, other=-1)
         accepted = tl.min(tl.where(inside & (token != draft), i, BLOCK_R), 0).to(tl.int64)
     tl.store(acc_ptr + s, accepted)
     if HAS_LAST:
         tl.store(last_ptr + s, start + accepted)
+    if HAS_COPIES:
+        tl.store(copy_a_ptr + rows, token, mask=inside & (rows < len_a))
+        tl.store(copy_b_ptr + rows, token, mask=inside & (rows < len_b))
 
 
 def accept_drafts(
@@ -57,10 +66,12 @@ def accept_drafts(
     force: int | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     last: torch.Tensor | None = None,
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Segments are at most `max_rows` rows long (k + 1). `force` may also be a (1,) int64
     device tensor, -1 for none (read by the kernel: a graph replays it with its current
-    value); `out` (S,) int64 receives the counts, `last` (S,) int64 the last verified rows."""
+    value); `out` (S,) int64 receives the counts, `last` (S,) int64 the last verified rows,
+    `copies` (two 1-D int64 tensors) the tokens."""
     check(sampled.dtype == draft_next.dtype == seg_starts.dtype == torch.long, "int64 inputs")
     check(sampled.shape == draft_next.shape and sampled.dim() == 1, "sampled, draft_next: (R,)")
     check(sampled.is_contiguous() and draft_next.is_contiguous() and seg_starts.is_contiguous(),
@@ -73,12 +84,15 @@ def accept_drafts(
     check(accepted.shape == (num_segs,) and accepted.dtype == torch.long, "out: (S,) int64")
     check(last is None or (last.shape == (num_segs,) and last.dtype == torch.long
                            and last.is_contiguous()), "last: (S,) int64")  # fmt: skip
+    a, b = copies if copies is not None else (accepted, accepted)
+    check(copies is None or all(c.dtype == torch.long and c.dim() == 1 and c.is_contiguous()
+                                for c in copies), "copies: 1-D int64")  # fmt: skip
     if num_segs:
         _accept_kernel[(num_segs,)](
-            sampled, draft_next, seg_starts, accepted, accepted if last is None else last,
-            sampled.shape[0], num_segs, -1 if force is None or at else force,
+            sampled, draft_next, seg_starts, accepted, accepted if last is None else last, a, b,
+            len(a), len(b), sampled.shape[0], num_segs, -1 if force is None or at else force,
             force if at else accepted, BLOCK_R=next_pow2(max(max_rows, 2)), FORCE_AT=at,
-            HAS_LAST=last is not None,
+            HAS_LAST=last is not None, HAS_COPIES=copies is not None,
         )  # fmt: skip
     return accepted
 
@@ -90,6 +104,7 @@ def accept_drafts_ref(
     force: int | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     last: torch.Tensor | None = None,
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Torch ops, no host sync: the first mismatching row of each segment by scatter-min."""
     num_rows, num_segs = sampled.shape[0], seg_starts.shape[0]
@@ -109,6 +124,9 @@ def accept_drafts_ref(
         sampled.copy_(torch.where(take, draft_next, sampled))
     if last is not None:
         torch.add(seg_starts, accepted, out=last)
+    for c in copies or ():
+        n = min(len(c), num_rows)
+        c[:n].copy_(sampled[:n])
     return accepted if out is None else out.copy_(accepted)
 
 
@@ -120,9 +138,10 @@ def accept(
     force: int | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     last: torch.Tensor | None = None,
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`accept_drafts` on a CUDA device, `accept_drafts_ref` elsewhere (the CPU runs no
     compiled Triton)."""
     if sampled.is_cuda:
-        return accept_drafts(sampled, draft_next, seg_starts, max_rows, force, out, last)
-    return accept_drafts_ref(sampled, draft_next, seg_starts, force, out, last)
+        return accept_drafts(sampled, draft_next, seg_starts, max_rows, force, out, last, copies)
+    return accept_drafts_ref(sampled, draft_next, seg_starts, force, out, last, copies)

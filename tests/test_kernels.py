@@ -990,15 +990,18 @@ def test_accept_drafts_per_segment():
 
 
 @pytest.mark.parametrize("force", [None, 1])
-def test_accept_drafts_writes_the_last_verified_rows(force):
-    """`last`: each segment's start plus its accepted count, from the kernel and the ref."""
+def test_accept_drafts_writes_the_last_verified_rows_and_tokens(force):
+    """`last`: each segment's start plus its accepted count; `copies`: the step's tokens (forced
+    drafts included), each up to its length; from the kernel and the ref."""
     sampled, draft_next = _long([5, 6, 7, 1, 2, 3, 4, 9]), _long([5, 6, -1, 8, 2, 3, -1, -1])
     starts = _long([0, 3, 7])
     want = [2, 3, 7] if force is None else [1, 4, 7]
+    tokens = [5, 6, 7, 1, 2, 3, 4, 9] if force is None else [5, 6, 7, 8, 2, 3, 4, 9]
     for fn, args in ((accept_drafts, (starts, 4)), (accept_drafts_ref, (starts,))):
-        last = _long([-9, -9, -9])
-        fn(sampled.clone(), draft_next, *args, force=force, last=last)
+        last, a, b = _long([-9, -9, -9]), _long([-9] * 8), _long([-9] * 5)
+        fn(sampled.clone(), draft_next, *args, force=force, last=last, copies=(a, b))
         assert last.tolist() == want
+        assert a.tolist() == tokens and b.tolist() == tokens[:5]  # the step's tokens, forced
 
 
 def test_accept_drafts_reads_a_device_force():

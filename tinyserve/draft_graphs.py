@@ -45,12 +45,11 @@ class DraftGraphs:
                 draft_next, limits = v.extra_views(bs, [bs * q, bs])
                 tokens, accepted, drafts = self._parts(self.results[: 2 * bs * q], bs)
                 chosen = torch.empty_like(starts)  # each row's last verified token
-                accept(sampled, draft_next, starts, q, self.force, out=accepted, last=chosen)
+                # The tokens also go to where a decode graph step gathers its inputs.
+                accept(sampled, draft_next, starts, q, self.force, out=accepted, last=chosen,
+                       copies=(tokens, decode_last))  # fmt: skip
                 draft_tokens(v.metadata[key], v.fields(bs)[2], v.outputs[key][0], sampled,
                              chosen, v.block_tables[:bs], limits, None, out=drafts)  # fmt: skip
-                tokens.copy_(sampled)
-                rows = min(bs * q, len(decode_last))  # where a decode graph step gathers inputs
-                decode_last[:rows].copy_(sampled[:rows])
                 return accepted, drafts
 
             if not v.capture:  # `draft` runs it after the eager replay
