@@ -15,17 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check, next_pow2, pdl, pdl_sync
-from .rms_norm import rms_norm_ref
-
-
-@triton.jit
-def _normed(x, w_ptr, cols, N, eps):
-    """rms_norm.py's arithmetic on a (1, BLOCK_N) row (masked columns hold 0)."""
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)[:, None]
-    normed = (xf * rstd).to(x.dtype)  # HF rounds before the weight multiplies
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-    return (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+from .rms_norm import normed_rows, rms_norm_ref
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # any row count, one variant
@@ -43,8 +33,9 @@ def _mtp_input_kernel(
     h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
     e = tl.load(emb_ptr + token * stride_e + cols, mask=cols < kept, other=0.0)
     out = out_ptr + row.to(tl.int64) * stride_o
-    tl.store(out + h_col + cols, _normed(h, hw_ptr, cols, N, eps), mask=mask)
-    tl.store(out + t_col + cols, _normed(e, tw_ptr, cols, N, eps), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out + h_col + cols, normed_rows(h, hw_ptr, cols, N, eps).to(dtype), mask=mask)
+    tl.store(out + t_col + cols, normed_rows(e, tw_ptr, cols, N, eps).to(dtype), mask=mask)
 
 
 def mtp_input(

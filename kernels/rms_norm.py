@@ -33,13 +33,20 @@ def _rms_norm_kernel(
         r = tl.load(r_ptr + t * stride_r0 + h * stride_r1 + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # HF: add in dtype
         tl.store(rout_ptr + t * stride_ro0 + h * stride_ro1 + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)[:, None]
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty)  # HF rounds before the weight multiplies
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
+    y = normed_rows(x, w_ptr, cols, N, eps)
     tl.store(out_ptr + t * stride_o0 + h * stride_o1 + cols, y.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
+
+
+@triton.jit
+def normed_rows(x, w_ptr, cols, N, eps):
+    """weight * norm(x) in float32 for (BLOCK_M, BLOCK_N) rows x (masked columns hold 0; `cols`
+    (1, BLOCK_N)), rounded to x's dtype before the weight multiplies, as HF does."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)[:, None]
+    normed = (xf * rstd).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    return normed.to(tl.float32) * w.to(tl.float32)
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
