@@ -281,6 +281,19 @@ def test_verify_graph_extras_are_aligned_and_apart_from_the_inputs(mimo_dir, k):
         assert views[-1].data_ptr() + 8 * sizes[-1] <= v.buffer.data_ptr() + 8 * len(v.buffer)
 
 
+def test_verify_graph_hidden_states_land_in_the_sets_one_buffer(mimo_dir):
+    """Every verify replay (any size, any split count) leaves its hidden states in the set's
+    `hidden` buffer, which the size's one drafting graph reads: the model writes them there."""
+    llm = with_replayed_verify_graphs(
+        make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=1, max_num_seqs=8)
+    )
+    run(llm, prompts())
+    v = llm.engine.runner.verify_graphs
+    assert v.outputs  # replays ran
+    for key, (hidden, _) in v.outputs.items():
+        assert hidden.data_ptr() == v.hidden.data_ptr() and len(hidden) == key[0] * 2
+
+
 @pytest.mark.parametrize("force", [None, 1])
 def test_verify_graph_path_samples_seeded_rows_as_the_eager_steps(mimo_dir, force):
     """Seeded sampled rows through the verify graphs in the overlapped loop: sampled outside
