@@ -14,6 +14,8 @@ cuBLAS) a shape takes, and its tiles. Split-K at 1-32 rows was measured and drop
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -207,23 +209,75 @@ def _gemv_dot_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < end) & (m[None, :] < M))
 
 
+@triton.jit
+def split_sum(p_ptrs, split_stride, mask, b_ptr, n, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """sum over s of the float32 partials p[s] (+ bias) in split order, the one order every
+    consumer of a split-K product uses (deterministic)."""
+    acc = tl.load(p_ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptrs + s * split_stride, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # as the dot kernel
 def _split_reduce_kernel(
-    p_ptr, y_ptr, b_ptr, M, N, stride_ym,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    p_ptr, y_ptr, b_ptr, r_ptr, M, N, stride_ym, stride_rm,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """y[m] = sum over s of the partials p[s, m] (+ bias), in a fixed order (deterministic)."""
+    """y[m] = sum over s of the partials p[s, m] (+ bias) (+ residual[m], added after the sum is
+    rounded to the residual's dtype, as HF adds a projection's output)."""
     pdl_sync(USE_PDL)
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
-    p_ptrs = p_ptr + row * N + n
-    acc = tl.load(p_ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(p_ptrs + s * M * N, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    acc = split_sum(p_ptr + row * N + n, M * N, mask, b_ptr, n, SPLITS, HAS_BIAS)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * stride_rm + n, mask=mask, other=0.0)
+        acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
     tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+class SplitSum(NamedTuple):
+    """A split-K product not yet summed: float32 partials (S, M, N), the bias, and the dtype the
+    sum rounds to. `reduce` sums it (as `gemv` does); `rms_norm` sums it in its own pass, which
+    saves the reduce kernel where a norm reads the product (a decoder layer's o and down
+    projections at 33-128 rows). `shape` and `is_cuda` are the product's, for the shape rules."""
+
+    partials: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.partials.shape[1:]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.partials.is_cuda
+
+    def reduce(self, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+               ) -> torch.Tensor:  # fmt: skip
+        """The sum (+ residual, in the residual's dtype: HF's add), into `out` if given."""
+        p = self.partials
+        splits, m, n = p.shape
+        dtype = self.dtype if residual is None else residual.dtype
+        if out is None:
+            out = torch.empty(m, n, dtype=dtype, device=p.device)
+        check(out.shape == (m, n) and out.stride(1) == 1, f"out must be ({m}, {n}), stride 1")
+        if residual is not None:
+            check(residual.shape == (m, n) and residual.stride(1) == 1 and out.dtype == dtype,
+                  f"the residual must be ({m}, {n}), stride 1, in out's dtype")  # fmt: skip
+        block = min(1024, next_pow2(n))
+        r = out if residual is None else residual
+        _split_reduce_kernel[(m, triton.cdiv(n, block))](
+            p, out, self.bias if self.bias is not None else p, r, m, n, out.stride(0),
+            r.stride(0), SPLITS=splits, HAS_BIAS=self.bias is not None,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=4, **pdl(p.device),
+        )  # fmt: skip
+        return out
 
 
 def gemv(
@@ -244,7 +298,8 @@ def gemv(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
-) -> torch.Tensor:
+    reduce: bool = True,
+) -> torch.Tensor | SplitSum:
     """x (M, K) with M <= MAX_DOT_ROWS (MAX_SPLIT_ROWS for "split"), weight (N, K) -> (M, N) in x's
     dtype, or float32 into a float32 `out` (rounded once, from the float32 sum), + bias (N,).
     `method`: "stream", "dot", "split" or "tma" (default: `gemv_method`'s choice, or "stream" for a
@@ -258,7 +313,8 @@ def gemv(
     rounded as HF's separate projections are: the SiLU kernel and its pass over the (M, 2N)
     product are saved. `block_n`, `block_k`, `rows` (dot only: W rows a program takes, at most
     block_n; even with silu_mul), `num_warps`, `num_stages`, `num_splits` (split only) override
-    the tuned configuration."""
+    the tuned configuration. `reduce=False` (split only, no `out`) returns the partials not yet
+    summed, a `SplitSum`."""
     check(x.dim() == 2 and weight.dim() == 2, "x must be (M, K), W (N, K)")
     (m, kx), (n, k) = x.shape, weight.shape
     check(kx == (2 * k if gated else k), f"x has {kx} columns, W {k}" + (" (x2: gated)" * gated))
@@ -275,10 +331,12 @@ def gemv(
     check(x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype, "x and W: one float dtype")
     check(x.stride(1) == 1 and weight.stride(1) == 1, "x and W need a contiguous last dim")
     tensors = [x, weight]
-    if out is None:
+    check(reduce or (method == "split" and out is None), "reduce=False is split's, with no out")
+    if out is None and reduce:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    check(out.shape == (m, n_out) and out.stride(1) == 1, f"out must be ({m}, {n_out}), stride 1")
-    check(out.dtype in (x.dtype, torch.float32), "out: x's dtype or float32")
+    if out is not None:
+        check(out.shape == (m, n_out) and out.stride(1) == 1, f"out: ({m}, {n_out}), stride 1")
+        check(out.dtype in (x.dtype, torch.float32), "out: x's dtype or float32")
     if bias is not None:
         check(bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous(), "bad bias")
         tensors.append(bias)
@@ -307,7 +365,7 @@ def gemv(
     check(method != "stream" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
     check(method == "stream" or not prologue, f"{method} has no prologue")
     args = (x, weight, out)
-    sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0) if reduce else n)
     if method == "stream":
         cfg_n, cfg_k = stream_config(m, n, k, x.device, prologue)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
@@ -353,11 +411,10 @@ def gemv(
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
             num_warps=num_warps or 4, num_stages=num_stages or cfg_stages, **pdl(x.device),
         )  # fmt: skip
-        block = min(1024, next_pow2(n))
-        _split_reduce_kernel[(m, triton.cdiv(n, block))](
-            partials, out, bias if bias is not None else x, m, n, out.stride(0),
-            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl(x.device),
-        )  # fmt: skip
+        product = SplitSum(partials, bias, x.dtype)
+        if not reduce:
+            return product
+        product.reduce(out=out)
     return out
 
 

@@ -488,6 +488,38 @@ def test_pdl_on_off_identical(tmp_path, monkeypatch):
     assert outs[0] == outs[1]
 
 
+def test_split_k_sums_in_the_norms_change_no_bit(tmp_path, monkeypatch):
+    """At 33-64 rows a 7-8B model's o and down projections run split-K and hand their partials
+    unsummed to the next norm (or the last add): greedy tokens and logprobs equal those of
+    summing them in the projections (the decode steps run in CUDA graphs)."""
+    from tinyserve.kernels.gemv import SplitSum
+
+    from tinyserve.layers.linear import Linear
+
+    path = shape_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2, max_position_embeddings=4096)
+    prompts = [[(29 * i + 7 * j) % 20000 + 100 for j in range(3 + i % 5)] for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    deferred = []
+    unreduced = Linear.unreduced
+
+    def spy(self, x):
+        y = unreduced(self, x)
+        deferred.append(isinstance(y, SplitSum))
+        return y
+
+    runs = []
+    for patch in (spy, Linear.forward):
+        monkeypatch.setattr(Linear, "unreduced", patch)
+        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=64)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert any(deferred)
+    assert runs[0] == runs[1]
+
+
 def test_prefill_lane_on_its_stream_gives_the_steps_outputs(tmp_path):
     """A 5,000-token prompt arriving while 12 sequences decode: with the lane (its graph on a
     green-context stream, as by default) its chunks 2,048 tokens at a time run beside the decode

@@ -22,7 +22,7 @@ from tinyserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_ref,
 )
-from tinyserve.kernels.gemv import gemv, gemv_ref  # noqa: E402
+from tinyserve.kernels.gemv import SplitSum, gemv, gemv_ref  # noqa: E402
 from tinyserve.kernels.gemv_config import (  # noqa: E402
     dot_config,
     gemv_method,
@@ -786,6 +786,44 @@ def test_gemv_split(dtype, m, k, num_splits, out_dtype):
     out = torch.full((m, n), float("nan"), dtype=out_dtype or dtype, device=DEVICE)
     assert gemv(x, w, out, bias=bias, method="split", block_k=128, num_splits=num_splits) is out
     assert_rel(out, gemv_ref(x.double(), w.double(), bias=bias.double()), out_dtype or dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_sums_in_the_norm_equal_the_reduce_kernels(dtype, bias):
+    """A split-K product left unsummed (reduce=False) and normed with a residual gives the bits
+    of the reduce kernel's sum normed after it, in place too (a decoder layer's o / down
+    projection and the next norm); its reduce(residual) gives the bits of that sum + residual
+    (the model's last add)."""
+    m, n, k = 40, 300, 1000
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    product = gemv(x, w, bias=b, method="split", block_k=128, num_splits=3, reduce=False)
+    assert isinstance(product, SplitSum)
+    assert product.shape == (m, n) and product.partials.shape == (3, m, n)
+    summed = gemv(x, w, bias=b, method="split", block_k=128, num_splits=3)
+    assert torch.equal(product.reduce(), summed)
+    residual, nw = randn(m, n, dtype=dtype, scale=2.0), randn(n, dtype=dtype)
+    want, want_res = rms_norm(summed, nw, 1e-6, residual)
+    got, got_res = rms_norm(product, nw, 1e-6, residual)
+    assert torch.equal(got, want) and torch.equal(got_res, want_res)
+    assert torch.equal(product.reduce(residual), want_res)
+    in_place = residual.clone()
+    got, got_res = rms_norm(product, nw, 1e-6, in_place, residual_out=in_place)
+    assert got_res is in_place and torch.equal(in_place, want_res) and torch.equal(got, want)
+
+
+def test_split_k_sums_reject_bad_calls():
+    x, w = randn(40, 256, dtype=BF16), randn(64, 256, dtype=BF16)
+    product = gemv(x, w, method="split", reduce=False)
+    with pytest.raises(ValueError, match="with a residual"):
+        rms_norm(product, randn(64, dtype=BF16), 1e-6)
+    with pytest.raises(ValueError, match="residual != x"):
+        rms_norm(product, randn(64, dtype=BF16), 1e-6, randn(40, 64, dtype=F16))
+    with pytest.raises(ValueError, match="reduce=False"):
+        gemv(x, w, method="dot", reduce=False)
+    with pytest.raises(ValueError, match="reduce=False"):
+        gemv(x, w, torch.empty(40, 64, dtype=BF16), method="split", reduce=False)
 
 
 def test_gemv_method_and_dot_config(monkeypatch):

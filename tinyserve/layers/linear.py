@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.gemv import gemv
+from tinyserve.kernels.gemv import SplitSum, gemv
 from tinyserve.kernels.gemv_config import gemv_method, norm_prologue_pays, silu_mul_epilogue
 from tinyserve.layers.activation import silu_and_mul
 
@@ -62,6 +62,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self._gemv_method(x))
+
+    def unreduced(self, x: torch.Tensor) -> torch.Tensor | SplitSum:
+        """self(x), but where x's rows take the split-K kernel, its partials not yet summed: for
+        an RMSNorm (or `SplitSum.reduce`) to sum, a kernel less than summing them here."""
+        method = self._gemv_method(x)
+        if method == "split":
+            return gemv(x, self.weight, bias=self.bias, method=method, reduce=False)
+        return self._matmul(x, method)
 
     def _matmul(self, x: torch.Tensor, method: str | None) -> torch.Tensor:
         if method:

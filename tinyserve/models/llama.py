@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tinyserve.config import ModelConfig
+from tinyserve.kernels.gemv import SplitSum
 from tinyserve.layers.attention import Attention
 from tinyserve.layers.embedding import LMHead, VocabEmbedding
 from tinyserve.layers.linear import Linear, MergedLinear, QKVLinear
@@ -44,7 +45,7 @@ class LlamaAttention(nn.Module):
     def forward(self, qkv: torch.Tensor, rope) -> torch.Tensor:
         """qkv (T, (Hq + 2 Hkv) D), the norm-fused qkv_proj output (see the decoder layer)."""
         norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else ()  # Qwen3
-        return self.o_proj(self.attn(qkv, rope, *norms).flatten(1))
+        return self.o_proj.unreduced(self.attn(qkv, rope, *norms).flatten(1))
 
 
 class LlamaMLP(nn.Module):
@@ -68,7 +69,7 @@ class LlamaMLP(nn.Module):
                 x, residual = norm(hidden), hidden
             else:
                 x, residual = norm(hidden, residual)
-            return down(gate_up.silu_mul(x)), residual
+            return down.unreduced(gate_up.silu_mul(x)), residual
         y, residual = gate_up.normed(norm, hidden, residual)
         return down.gated(y), residual
 
@@ -89,7 +90,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of each block is deferred into the next norm, and each norm into
         # the matmul that reads it (one kernel at batch-1 decode, see Linear.normed); same
-        # arithmetic as HF's `hidden = residual + hidden; proj(norm(hidden))`.
+        # arithmetic as HF's `hidden = residual + hidden; proj(norm(hidden))`. At 33-128 rows
+        # the o and down projections' split-K sums are deferred into that norm too: `hidden`
+        # may be a SplitSum.
         attn = self.self_attn
         qkv, residual = attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
         hidden = attn(qkv, rope)
@@ -120,6 +123,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope)
+        if isinstance(hidden, SplitSum):  # the last down projection's: summed with the add
+            return hidden.reduce(residual, out)
         return torch.add(hidden, residual, out=out)  # HF's last residual add, in model dtype
 
 
