@@ -335,7 +335,8 @@ def gemv(
     if out is None and reduce:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if out is not None:
-        check(out.shape == (m, n_out) and out.stride(1) == 1, f"out: ({m}, {n_out}), stride 1")
+        shape_ok = out.shape == (m, n_out) and out.stride(1) == 1
+        check(shape_ok, f"out must be ({m}, {n_out}), stride 1")
         check(out.dtype in (x.dtype, torch.float32), "out: x's dtype or float32")
     if bias is not None:
         check(bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous(), "bad bias")
