@@ -5,11 +5,12 @@ BLOCK_N rows of W and multiplies on the CUDA cores (one or two rows of x), with 
 flight where its loop over K is long (`stream_stages`); "dot" runs a BLOCK_N x BLOCK_K tile of W
 against x padded to 16-128 rows (a power of two) on the tensor cores, with a deep pipeline (a
 program may take fewer W rows than its tile, the rest masked, so that a grid fills whole waves);
-its "split" form also divides K among programs (float32 partials, then a fixed-order sum),
-which fills the SMs for down projections at 33-128 rows; "tma" (`gemv_tma`, Hopper) is the dot
-product with W and x fetched through tensor descriptors. `gemv_config` says which one (or
-cuBLAS) a shape takes, and its tiles. Split-K at 1-32 rows was measured and dropped: it lost
-5-45% at every Qwen3-0.6B / Llama-3.1-8B shape, tall-thin ones included.
+its "split" form also divides K among programs (float32 partials, then a fixed-order sum,
+which a decoder layer leaves to the next norm: `SplitSum`), which fills the SMs for down
+projections at 33-128 rows; "tma" (`gemv_tma`, Hopper) is the dot product with W and x fetched
+through tensor descriptors. `gemv_config` says which one (or cuBLAS) a shape takes, and its
+tiles. Split-K at 1-32 rows was measured and dropped: it lost 5-45% at every Qwen3-0.6B /
+Llama-3.1-8B shape, tall-thin ones included.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, qkv: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, rope) -> torch.Tensor | SplitSum:
         """qkv (T, (Hq + 2 Hkv) D), the norm-fused qkv_proj output (see the decoder layer)."""
         norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else ()  # Qwen3
         return self.o_proj.unreduced(self.attn(qkv, rope, *norms).flatten(1))
@@ -58,17 +58,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
 
-    def normed(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def normed(self, norm: RMSNorm, hidden: torch.Tensor | SplitSum, residual: torch.Tensor
+               ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # fmt: skip
         """(the MLP of norm(hidden + residual), hidden + residual). The SiLU runs in the gate_up
         kernel's epilogue where that is the dot kernel (above two rows), else in the down
         kernel's prologue (the stream kernel: one or two rows), else as its own kernel."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if gate_up.fuses_silu_mul(hidden):
-            if residual is None:
-                x, residual = norm(hidden), hidden
-            else:
-                x, residual = norm(hidden, residual)
+            x, residual = norm(hidden, residual)
             return down.unreduced(gate_up.silu_mul(x)), residual
         y, residual = gate_up.normed(norm, hidden, residual)
         return down.gated(y), residual
@@ -84,10 +81,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | SplitSum,
         residual: torch.Tensor | None,
         rope,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:
         # The residual add of each block is deferred into the next norm, and each norm into
         # the matmul that reads it (one kernel at batch-1 decode, see Linear.normed); same
         # arithmetic as HF's `hidden = residual + hidden; proj(norm(hidden))`. At 33-128 rows
