@@ -366,15 +366,14 @@ def gemv(
     check(method in ("stream", "dot", "split", "tma"), f"unknown method {method!r}")
     check(method != "stream" or m <= MAX_STREAM_ROWS, f"stream is for 1..{MAX_STREAM_ROWS} rows")
     check(method == "stream" or not prologue, f"{method} has no prologue")
-    args = (x, weight, out)
-    sizes = (m, n, k, x.stride(0), weight.stride(0), out.stride(0) if reduce else n)
     if method == "stream":
         cfg_n, cfg_k = stream_config(m, n, k, x.device, prologue)
         block_n, block_k = block_n or cfg_n, block_k or cfg_k
         stages = num_stages or stream_stages(m, k, block_n, block_k, x.element_size(), x.device)
         _gemv_stream_kernel[(triton.cdiv(n, block_n),)](
-            *args, bias if bias is not None else x, *sizes,
-            norm_w, res, res_out, eps, res.stride(0), res_out.stride(0),
+            x, weight, out, bias if bias is not None else x, m, n, k, x.stride(0),
+            weight.stride(0), out.stride(0), norm_w, res, res_out, eps, res.stride(0),
+            res_out.stride(0),
             BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
             HAS_BIAS=bias is not None, LOOP_STAGES=stages, num_warps=num_warps or 4,
