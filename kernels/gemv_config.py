@@ -88,6 +88,13 @@ class DotTiles(NamedTuple):
     warps: int
 
 
+def x_tile(m: int) -> tuple[int, bool]:
+    """(BLOCK_M, MASK_X) of the dot and split kernels for M rows of x: a tensor-core tile of at
+    least 16 rows, and whether rows past M are masked (a kernel variant of its own)."""
+    block_m = max(16, next_pow2(m))
+    return block_m, m < block_m
+
+
 def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> DotTiles:
     """The widest W tile that still gives every other SM a program (128 x 128, 64 x 128 or 32 x
     256), as many stages in flight as shared memory holds, up to 5 (or more, so that a program
@@ -209,8 +216,8 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
     shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
     5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
     rows, 2-26% over cuBLAS; "tma" (`gemv_tma`, Hopper) in place of "dot" for some 7-8B
-    gate_up at 33-64 rows (`_tma_pays`); at 33-64 rows of a 7-8B model (K >= LARGE_K), "split"
-    for attention out (N <= K < 2N) and "dot" for qkv above CUBLAS_QKV_ROWS, where they beat
+    gate_up at 33-64 rows (`_tma_pays`); for a 7-8B model (K >= LARGE_K), "split" for attention
+    out (N <= K < 2N) at 33-128 rows and "dot" for qkv at CUBLAS_QKV_ROWS-64, where they beat
     cuBLAS in the step though not alone (PDL: a Triton kernel is placed, and fetches W, while
     the kernel before it runs; a cuBLAS one waits for it to end); None (cuBLAS) for the rest.
     H200, steady steps, ms, both against cuBLAS: MiMo-7B MTP k=1 batch 32 (64-row verify)
@@ -223,11 +230,10 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
         return "tma"
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
-    if m <= MAX_DOT_ROWS and k >= LARGE_K:  # a 7-8B model's attention in / out (N < WIDE_N here)
-        if n <= k < 2 * n:
-            return "split"
-        if n > k and m > CUBLAS_QKV_ROWS:
-            return "dot"
+    if k >= LARGE_K and n <= k < 2 * n and m <= MAX_SPLIT_ROWS:  # a 7-8B model's attention out
+        return "split"  # (MiMo-7B at 96-128 rows: 13.5 / 14.0 us vs cuBLAS 15.9 / 13.9, 80: 13.2 / 12.4)
+    if m <= MAX_DOT_ROWS and k >= LARGE_K and k < n < WIDE_N and m > CUBLAS_QKV_ROWS:  # its qkv
+        return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None
 
 

@@ -844,11 +844,11 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert gemv_method(48, 22016, 4096) == gemv_method(64, 151936, 1024) == "dot"
     assert gemv_method(65, 151936, 1024) is None and gemv_method(48, 6144, 4096) is None
     # ...and for a 7-8B model's attention (K >= 4096): split-K for attention out (N <= K < 2N)
-    # and the dot kernel for qkv above 48 rows, where cuBLAS slows.
-    assert gemv_method(33, 4096, 4096) == gemv_method(64, 4096, 4096) == "split"
+    # to 128 rows and the dot kernel for qkv at 49-64 rows, where cuBLAS slows.
+    assert gemv_method(33, 4096, 4096) == gemv_method(128, 4096, 4096) == "split"
     assert gemv_method(49, 6144, 4096) == gemv_method(64, 6144, 4096) == "dot"
     assert gemv_method(64, 6144, 2048) is None and gemv_method(65, 6144, 4096) is None
-    assert gemv_method(64, 1024, 1024) is None and gemv_method(65, 4096, 4096) is None
+    assert gemv_method(64, 1024, 1024) is None and gemv_method(129, 4096, 4096) is None
     # 33..128 rows: split-K for down projections (K > 2N); eh_proj (K = 2N) lost at 128.
     assert gemv_method(33, 1024, 3072) == gemv_method(128, 4096, 11008) == "split"
     assert gemv_method(64, 4096, 8192) is None and gemv_method(129, 4096, 11008) is None
@@ -1465,12 +1465,12 @@ def test_gemv_silu_mul_gpu(shape, m):
      for m in (33, 64, 100, 128)]
     + [(s, m, "dot") for s in [(151936, 1024), (28672, 4096), (22016, 4096), (16384, 2048)]
        for m in (33, 64)]
-    + [((4096, 4096), m, "split") for m in (33, 48, 64)] + [((6144, 4096), 64, "dot")],
+    + [((4096, 4096), m, "split") for m in (33, 48, 64, 96, 128)] + [((6144, 4096), 64, "dot")],
 )  # fmt: skip
 def test_gemv_many_rows_gpu(shape, m, method):
     """Above 32 rows: down projections (to 128 rows) take split-K, wide W (LM heads, gate_up; to
     64 rows) the dot kernel, or on Hopper the tma kernel where `_tma_pays` (MiMo-7B's gate_up);
-    a 7-8B model's attention out split-K and its qkv the dot kernel above 48 rows."""
+    a 7-8B model's attention out split-K (to 128 rows) and its qkv the dot kernel above 48 rows."""
     n, k = shape
     x, w = randn(m, k, dtype=BF16), randn(n, k, dtype=BF16) * 0.05
     out = torch.full((m, n), float("nan"), dtype=BF16, device=DEVICE)

@@ -32,9 +32,10 @@ from tinyserve.sequence import Sequence
 
 # Representatives of the row-count classes the kernels tell apart: one count in each power-of-
 # two range (the gemv tiles are next_pow2(M) rows, and its method thresholds are powers of two
-# but for CUBLAS_QKV_ROWS, within 33-64), up to 256 rows (beyond, matmuls are cuBLAS and the
-# other kernels take any count alike).
-ROW_CLASSES = (1, 2, 3, 5, 9, 17, 33, CUBLAS_QKV_ROWS + 1, 65, 129)
+# but for CUBLAS_QKV_ROWS, within 33-64), and the powers of two from 16 (a full x tile, no rows
+# masked: `gemv_config.x_tile`), up to 256 rows (beyond, matmuls are cuBLAS and the other
+# kernels take any count alike).
+ROW_CLASSES = (1, 2, 3, 5, 9, 16, 17, 32, 33, CUBLAS_QKV_ROWS + 1, 64, 65, 128, 129)
 _GREEDY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
