@@ -13,11 +13,13 @@ install:
 run:
 	tinyserve run
 
+# -P: the checkout is not put first on sys.path, where its kernels/ would shadow the PyPI
+# `kernels` package that transformers (>= 5.25) imports; tinyserve itself is installed.
 test:
-	$(TEST_ENV) $(PY) -m pytest -q -x --durations=15
+	$(TEST_ENV) $(PY) -P -m pytest -q -x --durations=15
 
 test-gpu:
-	$(PY) -m pytest -q -m gpu
+	$(PY) -P -m pytest -q -m gpu
 
 bench:
 	$(PY) bench.py cpu

@@ -27,10 +27,17 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
+
+# `python bench.py` puts this checkout first on sys.path, where its kernels/ directory would
+# shadow the PyPI `kernels` package that transformers (>= 5.25) imports. tinyserve is installed
+# (`make install`), so the checkout goes last, where an uninstalled tinyserve is still found.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 
 
 def git_commit() -> str:

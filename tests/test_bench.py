@@ -82,7 +82,7 @@ def test_steady_step_time_leaves_out_the_prefill():
     import time
     from types import SimpleNamespace
 
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # last: its kernels/ must not shadow transformers' `kernels`
     import bench
 
     class Engine:
@@ -117,7 +117,7 @@ def test_e2e_builds_the_engine_with_lane_tokens_and_says_so(monkeypatch):
 
     import tinyserve
 
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # last: its kernels/ must not shadow transformers' `kernels`
     import bench
 
     llm_cls = tinyserve.LLM
