@@ -1,7 +1,10 @@
 # The single place for commands. CPU machines take the CPU torch wheel (never a CUDA build).
 PY ?= python3
 TORCH ?= torch==2.13.0
-TEST_ENV = TRITON_INTERPRET=1 OMP_NUM_THREADS=2
+# PYTHONSAFEPATH (Python >= 3.11): the checkout is not put first on sys.path, where its kernels/
+# would shadow the PyPI `kernels` package that transformers (>= 5.25) imports; tinyserve is
+# installed.
+TEST_ENV = TRITON_INTERPRET=1 OMP_NUM_THREADS=2 PYTHONSAFEPATH=1
 
 .PHONY: install run test test-gpu bench lint loc
 
@@ -13,13 +16,11 @@ install:
 run:
 	tinyserve run
 
-# -P: the checkout is not put first on sys.path, where its kernels/ would shadow the PyPI
-# `kernels` package that transformers (>= 5.25) imports; tinyserve itself is installed.
 test:
-	$(TEST_ENV) $(PY) -P -m pytest -q -x --durations=15
+	$(TEST_ENV) $(PY) -m pytest -q -x --durations=15
 
 test-gpu:
-	$(PY) -P -m pytest -q -m gpu
+	PYTHONSAFEPATH=1 $(PY) -m pytest -q -m gpu
 
 bench:
 	$(PY) bench.py cpu

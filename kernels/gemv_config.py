@@ -133,7 +133,7 @@ def _balanced(m: int, n: int, dtype: torch.dtype, device: torch.device) -> DotTi
     last wave under 80% full takes this. At most 128 rows a program (N <= 256 x SMs)."""
     rows = triton.cdiv(n, 2 * num_sms(device))
     block_n, block_k = max(16, next_pow2(rows)), 64
-    stage = (block_n + max(16, next_pow2(m))) * block_k * dtype.itemsize
+    stage = (block_n + x_tile(m)[0]) * block_k * dtype.itemsize
     return DotTiles(block_n, block_k, max(2, min(5, shared_memory(device) // 2 // stage)), rows, 8)
 
 
@@ -157,7 +157,7 @@ def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device
     (4 -> 5-7 tiles held): plain decode batch 16 4.73 -> 4.42 ms a step; dot at 8 rows then
     beat cuBLAS, 4.54 -> 4.30 (BENCHMARKS.md, thirty-first session). Triton holds stages - 1
     tiles (mma v2, 32-wide W tiles) or stages (wgmma), hence the + 2."""
-    smem, rows = shared_memory(device), max(16, next_pow2(m))
+    smem, rows = shared_memory(device), x_tile(m)[0]
     while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
         block_k //= 2
     stage = (block_n + rows) * block_k * dtype.itemsize
@@ -230,8 +230,10 @@ def gemv_method(m: int, n: int, k: int) -> str | None:
         return "tma"
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
-    if k >= LARGE_K and n <= k < 2 * n and m <= MAX_SPLIT_ROWS:  # a 7-8B model's attention out
-        return "split"  # (MiMo-7B at 96-128 rows: 13.5 / 14.0 us vs cuBLAS 15.9 / 13.9, 80: 13.2 / 12.4)
+    # A 7-8B model's attention out; MiMo-7B, H200, us alone at 80 / 96 / 128 rows: 13.2 / 13.5 /
+    # 14.0 against cuBLAS 12.4 / 15.9 / 13.9, its sum then free in the next norm.
+    if k >= LARGE_K and n <= k < 2 * n and m <= MAX_SPLIT_ROWS:
+        return "split"
     if m <= MAX_DOT_ROWS and k >= LARGE_K and k < n < WIDE_N and m > CUBLAS_QKV_ROWS:  # its qkv
         return "dot"
     return "split" if m <= MAX_SPLIT_ROWS and k > 2 * n else None

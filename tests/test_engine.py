@@ -216,7 +216,8 @@ def test_warm_up_row_classes_take_every_matmul_variant(monkeypatch):
     def choice(m):
         methods = [(gc.gemv_method(m, n, k), n, k) for n, k in shapes]
         return tuple((meth, gc.silu_mul_epilogue(m, n, k), next_pow2(m), tiles(meth, m, n, k),
-                      meth in ("dot", "split") and gc.x_tile(m)) for meth, n, k in methods)  # fmt: skip
+                      meth in ("dot", "split") and gc.x_tile(m))
+                     for meth, n, k in methods)  # fmt: skip
 
     warmed = {choice(m) for m in ROW_CLASSES}
     assert [m for m in range(1, 257) if choice(m) not in warmed] == []
