@@ -130,3 +130,26 @@ def test_e2e_builds_the_engine_with_lane_tokens_and_says_so(monkeypatch):
         args = argparse.Namespace(model=None, enforce_eager=False, lane_tokens=lane_tokens,
                                   workloads=[], compare_hf=False)  # fmt: skip
         assert bench.bench_e2e(args)["prefill_lane_tokens"] == want
+
+
+
+def test_bench_puts_its_checkout_last_on_sys_path():
+    """`python bench.py` starts with the checkout first on sys.path; bench moves it last, so the
+    checkout's kernels/ cannot shadow the PyPI `kernels` package that transformers (>= 5.25)
+    imports: where that package is installed, `import kernels` finds it."""
+    import importlib.metadata
+
+    code = (
+        "import importlib.util, sys; sys.path.insert(0, sys.argv[1]); import bench; "
+        "print(sys.path.index(sys.argv[1]) == len(sys.path) - 1, "
+        "importlib.util.find_spec('kernels').origin)"
+    )
+    run = subprocess.run([sys.executable, "-c", code, ROOT], cwd="/", text=True,
+                         capture_output=True, check=True, timeout=120)  # fmt: skip
+    last, origin = run.stdout.split()
+    assert last == "True"
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return  # not installed (transformers < 5.25): the checkout's is the only one
+    assert not origin.startswith(ROOT)
