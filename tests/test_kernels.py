@@ -826,6 +826,24 @@ def test_split_k_sums_reject_bad_calls():
         gemv(x, w, torch.empty(40, 64, dtype=BF16), method="split", reduce=False)
 
 
+def test_gated_down_projection_leaves_split_k_sums_to_the_next_norm(monkeypatch):
+    """Where gate_up takes no SiLU epilogue (65-128 rows: cuBLAS) and the down projection runs
+    split-K, `gated` hands the partials on unsummed, as `unreduced` does: the next norm sums
+    them, with the reduce kernel's bits."""
+    from tinyserve.layers.linear import Linear
+
+    m, inter, hidden = 3, 256, 64
+    down = Linear(inter, hidden).to(DEVICE, BF16)
+    down.weight.data.copy_(randn(hidden, inter, dtype=BF16))
+    monkeypatch.setattr(Linear, "_gemv_method", lambda self, x: "split")
+    gate_up = randn(m, 2 * inter, dtype=BF16)
+    product = down.gated(gate_up)
+    assert isinstance(product, SplitSum)
+    act = gemv_ref(gate_up, torch.eye(inter, dtype=BF16, device=DEVICE), gated=True)
+    assert torch.equal(product.reduce(), gemv(act, down.weight, method="split"))
+    assert_rel(product.reduce(), gemv_ref(act.double(), down.weight.double()), BF16)
+
+
 def test_gemv_method_and_dot_config(monkeypatch):
     """One row streams; two rows stream only W with N <= K (attention out, down) and a 7-8B
     model's qkv (K >= 4096, N < WIDE_N); the rest up to 32 rows take the dot kernel, and above

@@ -103,12 +103,13 @@ class Linear(nn.Module):
         or tma kernel's epilogue (see `fuses_silu_mul`)."""
         return gemv(x, self.weight, bias=self.bias, silu_mul=True)  # gemv_method's dot or tma
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for x = [gate | up]."""
-        method = self._gemv_method(x)  # the shape's choice: W's, and x's rows
-        if method == "stream":
+    def gated(self, x: torch.Tensor) -> torch.Tensor | SplitSum:
+        """self.unreduced(silu(gate) * up) for x = [gate | up]: a down projection, which the
+        next norm (or the model's last add) reads, so a split-K product stays unsummed here too
+        (65-128 rows, where gate_up runs on cuBLAS and the SiLU on its own)."""
+        if self._gemv_method(x) == "stream":  # the shape's choice: W's, and x's rows
             return gemv(x, self.weight, bias=self.bias, gated=True)
-        return self._matmul(silu_and_mul(x), method)
+        return self.unreduced(silu_and_mul(x))
 
 
 class MergedLinear(Linear):
