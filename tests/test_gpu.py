@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+# bench.py sits in the checkout, which `make test-gpu` (PYTHONSAFEPATH) keeps off sys.path: put
+# it last, so its kernels/ does not shadow the PyPI `kernels` that transformers imports.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import SHAPES  # noqa: E402
 from tinyserve import LLM, SamplingParams  # noqa: E402
 
@@ -489,17 +493,20 @@ def test_pdl_on_off_identical(tmp_path, monkeypatch):
 
 
 def test_split_k_sums_in_the_norms_change_no_bit(tmp_path, monkeypatch):
-    """At 33-64 rows a 7-8B model's o and down projections run split-K and hand their partials
-    unsummed to the next norm (or the last add): greedy tokens and logprobs equal those of
-    summing them in the projections (the decode steps run in CUDA graphs)."""
+    """At 33-128 rows a 7-8B model's o and down projections run split-K and hand their partials
+    unsummed to the next norm (or the last add), also past 64 rows, where the down projection
+    follows a cuBLAS gate_up and its own SiLU (`Linear.gated`): greedy tokens and logprobs equal
+    those of summing them in the projections (decode steps of 96, then 48 rows, in graphs)."""
     from tinyserve.kernels.gemv import SplitSum
 
     from tinyserve.layers.linear import Linear
 
     path = shape_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2, max_position_embeddings=4096)
-    prompts = [[(29 * i + 7 * j) % 20000 + 100 for j in range(3 + i % 5)] for i in range(40)]
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    deferred = []
+    prompts = [[(29 * i + 7 * j) % 20000 + 100 for j in range(3 + i % 5)] for i in range(96)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 6 * (i % 2), logprobs=2,
+                             ignore_eos=True) for i in range(96)]  # fmt: skip
+    deferred, gated = [], []
+    split_gated = Linear.gated
     unreduced = Linear.unreduced
 
     def spy(self, x):
@@ -507,16 +514,22 @@ def test_split_k_sums_in_the_norms_change_no_bit(tmp_path, monkeypatch):
         deferred.append(isinstance(y, SplitSum))
         return y
 
+    def gated_spy(self, x):
+        y = split_gated(self, x)
+        gated.append(isinstance(y, SplitSum))
+        return y
+
     runs = []
     for patch in (spy, Linear.forward):
         monkeypatch.setattr(Linear, "unreduced", patch)
-        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=64)
+        monkeypatch.setattr(Linear, "gated", gated_spy)
+        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=128)
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    assert any(deferred)
+    assert any(deferred) and any(gated)
     assert runs[0] == runs[1]
 
 
