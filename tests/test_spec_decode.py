@@ -641,8 +641,7 @@ def test_ngram_on_smollm2_is_lossless_and_served_with_metrics(smollm2_path, smol
     import asyncio
 
     from prometheus_client.parser import text_string_to_metric_families
-
-    from tests.test_server import serving
+    from test_server import serving  # pytest puts tests/ on sys.path (no package)
 
     params = SamplingParams(temperature=0, max_tokens=48)
     ref = smollm2_llm.chat([{"role": "user", "content": EDIT}], params, use_tqdm=False)[0]
