@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import gc
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +32,18 @@ from tinyserve.transfer import to_device
 from tinyserve.warmup import compile_start_up
 
 CPU_KV_CACHE_BYTES = 4 << 30  # default KV budget on CPU, where there is no memory to profile
+
+
+@dataclass(slots=True)
+class Staged:
+    """`ModelRunner._stage`'s result: what a step's forward and bookkeeping read on the device."""
+
+    x: StepInputs | None  # None: a plain graph step, or a verify-graph step (`extra`)
+    graphed: bool  # a verify-graph step: it accepts and drafts in `draft_graphs`
+    extra: list | tuple = ()  # the verify replay's `extra` arrays
+    fix: Callable | None = None  # edits a replay's copied inputs (the MTP step in flight)
+    shift: tuple[torch.Tensor, ...] | None = None  # HostInputs.shift_* on the device
+    seg_dev: torch.Tensor | None = None  # (S,) each sampled sequence's first logits row
 
 
 class ModelRunner:
@@ -232,50 +246,15 @@ class ModelRunner:
         launched before the previous one finished. A graph step gathers them from
         `graphs.last_sampled`, which therefore receives every step's sampled ids.
         """
+        # 1. Inputs: host lists, the graph set that runs them (or None), their device copies.
         h = build_host_inputs(batch, self.block_size, self.mtp is not None)
         graphs = self._graphs_for(h)
-        # A verify-graph step of an MTP model accepts and drafts in a graph of its own, right
-        # after the verify replay; its drafts, KV limits and shift entries go to the device with
-        # the replay's inputs (`extra`), so it needs no StepInputs. Plain graph steps copy
-        # nothing else either: the graph reads its own buffer.
-        graphed = self.mtp is not None and graphs is not None and graphs is self.verify_graphs
-        plain = graphs is not None and not h.spec and self.mtp is None
-        x = None if graphed or plain else self._device_inputs(h)
-        extra, fix = (), None
-        if graphed:
-            extra = self.draft_graphs.extras(h.draft_next, h.limits, self.config.spec_force_accept)
-            if h.shift_tok:
-                extra += [h.shift_tok, h.shift_seq, h.shift_j, h.shift_row, h.shift_num,
-                          h.shift_logit]  # fmt: skip
-            views = graphs.extra_views(len(h.q_lens), [len(e) for e in extra])
-            draft_next, shift = views[0][: len(h.draft_next)], tuple(views[2:]) or None
-            seg_dev = self.draft_graphs.seg_starts[: len(h.seg_starts)]  # every row q rows
-        else:
-            draft_next = x.draft_next if x is not None else None
-            shift = x.shift if x is not None else None
-            seg_dev = x.seg_starts if x is not None else None
-        if shift is not None:  # tokens of the MTP step in flight
-
-            def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
-                outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
-                shift_inputs(shift, outs, inputs, self.block_size, draft_next)
-
-            # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
-            # otherwise the eager forward or the eager MTP drafting reads these.
-            if not graphed:
-                md = x.metadata
-                fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables)
-                # A decode graph (eager MTP drafting) still fixes its own input buffers; the
-                # drafts to verify are fixed already.
-                fix = functools.partial(fix, draft_next=None) if graphs is not None else None
-                if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync)
-                    md.context_lens_cpu = md.context_lens.tolist()
-                    md.max_context_len = max(md.context_lens_cpu)
-                else:
-                    md.max_context_len += self.config.num_speculative_tokens
+        s = self._stage(h, graphs, prev)
+        x = s.x
+        # 2. The forward: a graph replay (it copies its own inputs), or eager.
         if graphs is not None:
             hidden, all_logits = graphs.run(h.input_ids, h.positions, h.slots, h.ctx_lens,
-                                            h.tables, (h.dst, h.src), fix, extra)  # fmt: skip
+                                            h.tables, (h.dst, h.src), s.fix, s.extra)  # fmt: skip
         else:
             if x.pending is not None:  # the overlapped loop: inputs sampled by `prev`
                 dst, src = x.pending
@@ -287,33 +266,27 @@ class ModelRunner:
                 self.drafter.first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
             return PendingStep([], rows)
         assert len(rows) == len(h.logits_idx)
-        # The graph's logits rows are the sampled rows: every token sampled, or a prefill
-        # graph's one row (the chunk's last token's).
+        # 3. Sampling. The graph's logits rows are the sampled rows: every token sampled, or a
+        # prefill graph's one row (the chunk's last token's).
         graph_rows = all_logits is not None and (
             len(h.logits_idx) == len(h.input_ids) or graphs.prefill or graphs.mixed
         )
-        if graph_rows:
-            logits = all_logits[: len(h.logits_idx)]  # a mixed graph's chunk may not sample
-        else:
-            idx = x.idx if x is not None else to_device(h.logits_idx, self.device)
-            if all_logits is not None:
-                logits = all_logits[idx]
-            else:
-                logits = self.model.compute_logits(hidden[idx])  # (R, V) float32
         if graph_rows and plain_greedy(rows):
             # The graph's own argmax is exactly what `sample` would compute (verify graphs too:
             # the next step reads it, on the device, before the next replay rewrites it).
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
         else:
+            logits = self._logits(h, x, hidden, all_logits, graph_rows)
             self._mask_stop_tokens(logits, rows)
-            steps = self._step_shift(prev, shift, len(rows)) if shift is not None else None
+            steps = self._step_shift(prev, s.shift, len(rows)) if s.shift is not None else None
             st = SamplingTensors.build(rows, logits.shape[-1], self.device, steps)
             result = sample(logits, st)
+        # 4. Speculative steps: accepted counts and the next drafts, all on the device.
         sampled = result.token_ids
         # spec_force_accept (benchmarks): the first f drafts become the emitted tokens, written
         # into `sampled` by the accept kernel.
         accepted = drafts = None
-        if graphed:  # the accept-and-draft graph reads the tokens where the replay left them
+        if s.graphed:  # the accept-and-draft graph reads the tokens where the replay left them
             own = graphs.last_sampled[: len(rows)]
             if sampled.data_ptr() != own.data_ptr():
                 own.copy_(sampled)
@@ -325,17 +298,17 @@ class ModelRunner:
                               self.config.num_speculative_tokens + 1,
                               self.config.spec_force_accept)  # fmt: skip
         last = self.graphs.last_sampled if self.graphs is not None else None
-        if (not graphed and last is not None and sampled.data_ptr() != last.data_ptr()
+        if (not s.graphed and last is not None and sampled.data_ptr() != last.data_ptr()
                 and len(rows) <= len(last)):  # fmt: skip
             last[: len(rows)].copy_(sampled)  # where the next graph step gathers its inputs
-        if self.mtp is not None and not graphed:
+        if self.mtp is not None and not s.graphed:
             drafts = self.drafter.drafts(x, hidden, sampled, accepted)
         step = PendingStep(h.seg_starts, rows, sampled)
         if self.mtp is not None:  # the next step may start from these on the device
-            step.seg_dev, step.accepted, step.drafts = seg_dev, accepted, drafts
-        # Device -> pinned host copies, then an event: `result()` waits on that event only.
+            step.seg_dev, step.accepted, step.drafts = s.seg_dev, accepted, drafts
+        # 5. Device -> pinned host copies, then an event: `result()` waits on that event only.
         logprobs = [to_host(t) for t in (result.logprobs, result.top_ids, result.top_logprobs)]
-        if graphed:  # tokens, accepted counts and drafts in one copy
+        if s.graphed:  # tokens, accepted counts and drafts in one copy
             step.host = self.draft_graphs.split(to_host(results), len(h.seg_starts)) + logprobs
         else:
             step.host = [to_host(t) for t in (sampled, accepted, drafts)] + logprobs
@@ -343,6 +316,63 @@ class ModelRunner:
             step.event = torch.cuda.Event()
             step.event.record()
         return step
+
+    def _stage(self, h: HostInputs, graphs, prev: PendingStep | None) -> Staged:
+        """The step's device inputs beside the host lists: StepInputs for an eager forward or
+        speculative bookkeeping; a verify-graph step's `extra` arrays instead; and the `fix`
+        that moves inputs past the MTP step in flight (`shift`)."""
+        # A verify-graph step of an MTP model accepts and drafts in a graph of its own, right
+        # after the verify replay; its drafts, KV limits and shift entries go to the device with
+        # the replay's inputs (`extra`), so it needs no StepInputs. Plain graph steps copy
+        # nothing else either: the graph reads its own buffer.
+        graphed = self.mtp is not None and graphs is not None and graphs is self.verify_graphs
+        plain = graphs is not None and not h.spec and self.mtp is None
+        x = None if graphed or plain else self._device_inputs(h)
+        s = Staged(x, graphed)
+        if graphed:
+            extra = self.draft_graphs.extras(h.draft_next, h.limits, self.config.spec_force_accept)
+            if h.shift_tok:
+                extra += [h.shift_tok, h.shift_seq, h.shift_j, h.shift_row, h.shift_num,
+                          h.shift_logit]  # fmt: skip
+            views = graphs.extra_views(len(h.q_lens), [len(e) for e in extra])
+            draft_next, s.shift = views[0][: len(h.draft_next)], tuple(views[2:]) or None
+            s.extra, s.seg_dev = extra, self.draft_graphs.seg_starts[: len(h.seg_starts)]
+        elif x is not None:
+            draft_next, s.shift, s.seg_dev = x.draft_next, x.shift, x.seg_starts
+        if s.shift is None:
+            return s
+        shift = s.shift  # tokens of the MTP step in flight
+
+        def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
+            outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
+            shift_inputs(shift, outs, inputs, self.block_size, draft_next)
+
+        # A verify-graph step fixes its own buffers (`graphs.run`) and drafts from them;
+        # otherwise the eager forward or the eager MTP drafting reads these.
+        s.fix = fix
+        if not graphed:
+            md = x.metadata
+            fix(x.input_ids, x.positions, md.slot_mapping, md.context_lens, md.block_tables)
+            # A decode graph (eager MTP drafting) still fixes its own input buffers; the
+            # drafts to verify are fixed already.
+            s.fix = functools.partial(fix, draft_next=None) if graphs is not None else None
+            if self.device.type == "cpu":  # the CPU attention reads host lengths (no sync)
+                md.context_lens_cpu = md.context_lens.tolist()
+                md.max_context_len = max(md.context_lens_cpu)
+            else:
+                md.max_context_len += self.config.num_speculative_tokens
+        return s
+
+    def _logits(self, h: HostInputs, x: StepInputs | None, hidden: torch.Tensor,
+                all_logits: torch.Tensor | None, graph_rows: bool) -> torch.Tensor:  # fmt: skip
+        """(R, V) float32 logits of the step's sampled rows: the graph's own rows, rows of its
+        logits, or the LM head over the sampled rows' hidden states (eager)."""
+        if graph_rows:
+            return all_logits[: len(h.logits_idx)]  # a mixed graph's chunk may not sample
+        idx = x.idx if x is not None else to_device(h.logits_idx, self.device)
+        if all_logits is not None:
+            return all_logits[idx]
+        return self.model.compute_logits(hidden[idx])
 
     def _step_shift(self, prev: PendingStep, shift: tuple[torch.Tensor, ...],
                     num_rows: int) -> torch.Tensor:  # fmt: skip
