@@ -336,7 +336,8 @@ class ModelRunner:
                           h.shift_logit]  # fmt: skip
             views = graphs.extra_views(len(h.q_lens), [len(e) for e in extra])
             draft_next, s.shift = views[0][: len(h.draft_next)], tuple(views[2:]) or None
-            s.extra, s.seg_dev = extra, self.draft_graphs.seg_starts[: len(h.seg_starts)]
+            s.extra = extra
+            s.seg_dev = self.draft_graphs.seg_starts[: len(h.seg_starts)]  # every row q rows
         elif x is not None:
             draft_next, s.shift, s.seg_dev = x.draft_next, x.shift, x.seg_starts
         if s.shift is None:
