@@ -318,9 +318,8 @@ class ModelRunner:
         return step
 
     def _stage(self, h: HostInputs, graphs, prev: PendingStep | None) -> Staged:
-        """The step's device inputs beside the host lists: StepInputs for an eager forward or
-        speculative bookkeeping; a verify-graph step's `extra` arrays instead; and the `fix`
-        that moves inputs past the MTP step in flight (`shift`)."""
+        """The step's device inputs: StepInputs (eager forward, speculative bookkeeping) or a
+        verify graph's `extra` arrays, and the `fix` past the MTP step in flight (`shift`)."""
         # A verify-graph step of an MTP model accepts and drafts in a graph of its own, right
         # after the verify replay; its drafts, KV limits and shift entries go to the device with
         # the replay's inputs (`extra`), so it needs no StepInputs. Plain graph steps copy
@@ -340,9 +339,8 @@ class ModelRunner:
             s.seg_dev = self.draft_graphs.seg_starts[: len(h.seg_starts)]  # every row q rows
         elif x is not None:
             draft_next, s.shift, s.seg_dev = x.draft_next, x.shift, x.seg_starts
-        if s.shift is None:
+        if (shift := s.shift) is None:  # else: tokens of the MTP step in flight
             return s
-        shift = s.shift  # tokens of the MTP step in flight
 
         def fix(*inputs, draft_next=draft_next):  # ids, positions, slots, ctx, tables
             outs = (prev.accepted, prev.sampled, prev.seg_dev, prev.drafts)
@@ -366,8 +364,7 @@ class ModelRunner:
 
     def _logits(self, h: HostInputs, x: StepInputs | None, hidden: torch.Tensor,
                 all_logits: torch.Tensor | None, graph_rows: bool) -> torch.Tensor:  # fmt: skip
-        """(R, V) float32 logits of the step's sampled rows: the graph's own rows, rows of its
-        logits, or the LM head over the sampled rows' hidden states (eager)."""
+        """(R, V) float32 logits of the sampled rows: the graph's, or the LM head's (eager)."""
         if graph_rows:
             return all_logits[: len(h.logits_idx)]  # a mixed graph's chunk may not sample
         idx = x.idx if x is not None else to_device(h.logits_idx, self.device)
