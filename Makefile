@@ -1,10 +1,7 @@
 # The single place for commands. CPU machines take the CPU torch wheel (never a CUDA build).
 PY ?= python3
 TORCH ?= torch==2.13.0
-# PYTHONSAFEPATH (Python >= 3.11): the checkout is not put first on sys.path, where its kernels/
-# would shadow the PyPI `kernels` package that transformers (>= 5.25) imports; tinyserve is
-# installed.
-TEST_ENV = TRITON_INTERPRET=1 OMP_NUM_THREADS=2 PYTHONSAFEPATH=1
+TEST_ENV = TRITON_INTERPRET=1 OMP_NUM_THREADS=2
 
 .PHONY: install run test test-gpu bench lint loc
 
@@ -20,7 +17,7 @@ test:
 	$(TEST_ENV) $(PY) -m pytest -q -x --durations=15
 
 test-gpu:
-	PYTHONSAFEPATH=1 $(PY) -m pytest -q -m gpu
+	$(PY) -m pytest -q -m gpu
 
 bench:
 	$(PY) bench.py cpu
@@ -29,4 +26,4 @@ lint:
 	ruff check . && ruff format --check .
 
 loc:
-	@find tinyserve kernels -name '*.py' | xargs wc -l | sort -n
+	@find tinyserve kernels -name '*.py' | xargs wc -l | sort -n  # find skips the tinyserve/kernels link

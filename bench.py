@@ -42,8 +42,12 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] 
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
@@ -75,8 +79,16 @@ def _timed(fn, device: str) -> float:
 
 
 def make_prompts(tokenizer, num: int) -> list[list[int]]:
-    topics = ["the ocean", "a city at night", "mathematics", "an old library", "mountains",
-              "a robot", "bread baking", "the stars"]  # fmt: skip
+    topics = [
+        "the ocean",
+        "a city at night",
+        "mathematics",
+        "an old library",
+        "mountains",
+        "a robot",
+        "bread baking",
+        "the stars",
+    ]
     return [
         tokenizer.encode(
             tokenizer.apply_chat_template(
@@ -108,11 +120,17 @@ def run_hf(model_path: str, prompts, new_tokens: int, dtype: torch.dtype) -> flo
     pad = model.generation_config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
-              pad_token_id=pad)  # fmt: skip
+    kw = dict(
+        do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad
+    )
     with torch.inference_mode():
-        model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=4,
-                       do_sample=False, pad_token_id=pad)  # fmt: skip
+        model.generate(
+            ids[:1, -8:],
+            attention_mask=mask[:1, -8:],
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, **kw)
         dt = time.perf_counter() - t0
@@ -122,7 +140,7 @@ def run_hf(model_path: str, prompts, new_tokens: int, dtype: torch.dtype) -> flo
 
 def bench_cpu(args) -> dict:
     from tinyserve import LLM
-    from tinyserve.gguf import default_model_path
+    from tinyserve.model.gguf import default_model_path
 
     path = args.model or default_model_path()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -200,7 +218,7 @@ def _kernel_row(res, name, shape, nbytes, flops, make_set, triton_fn, torch_fns,
 
 def _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size):
     """bf16 q (T, Hq, D), caches with shuffled blocks, and the matching AttentionMetadata."""
-    from tinyserve.layers.attention import AttentionMetadata
+    from tinyserve.model.layers.attention import AttentionMetadata
 
     dev, bf16 = "cuda", torch.bfloat16
     per_seq = [-(-n // block_size) for n in context_lens]
@@ -213,11 +231,16 @@ def _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, b
         table[b, : per_seq[b]] = ids[off : off + per_seq[b]]
     cu = torch.tensor([0, *query_lens], device=dev).cumsum(0).int()
     lens = torch.tensor(context_lens, dtype=torch.int32, device=dev)
-    md = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64, device=dev),
-                           block_tables=table, cu_seqlens_q=cu, context_lens=lens,
-                           query_lens_cpu=list(query_lens), context_lens_cpu=list(context_lens),
-                           max_context_len=max(context_lens),
-                           is_decode_only=all(n == 1 for n in query_lens))  # fmt: skip
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=dev),
+        block_tables=table,
+        cu_seqlens_q=cu,
+        context_lens=lens,
+        query_lens_cpu=list(query_lens),
+        context_lens_cpu=list(context_lens),
+        max_context_len=max(context_lens),
+        is_decode_only=all(n == 1 for n in query_lens),
+    )
     q = torch.randn(sum(query_lens), num_heads, head_dim, device=dev, dtype=bf16)
     return q, k_cache, v_cache, md
 
@@ -225,16 +248,25 @@ def _paged_inputs(query_lens, context_lens, num_heads, num_kv_heads, head_dim, b
 def _sweep(res, name, shape, nbytes, make_set, fn, cfgs) -> None:
     """One row per launcher config (keyword arguments), timed like the default."""
     for cfg in cfgs:
-        _kernel_row(res, f"{name}[sweep]", shape, nbytes, 0, make_set,
-                    lambda *s, cfg=cfg: fn(*s, **cfg), {}, cfg=cfg)  # fmt: skip
+        _kernel_row(
+            res,
+            f"{name}[sweep]",
+            shape,
+            nbytes,
+            0,
+            make_set,
+            lambda *s, cfg=cfg: fn(*s, **cfg),
+            {},
+            cfg=cfg,
+        )
 
 
 def _bench_attention(res) -> None:
     import torch.nn.functional as F
+
     from tinyserve.kernels.decode_attention import decode_attention
     from tinyserve.kernels.prefill_attention import prefill_attention
-
-    from tinyserve.layers import attention as layer
+    from tinyserve.model.layers import attention as layer
 
     scale = 128**-0.5
     decode_sweeps = {  # (batch, ctx) of llama-3.1-8b -> configs compared with the default
@@ -257,15 +289,24 @@ def _bench_attention(res) -> None:
             return q.view(batch, hq, 128), k, v, md, kc, vc
 
         def tri(q, k, v, md, kc, vc, **cfg):
-            return decode_attention(q, k, v, md.block_tables, md.context_lens, scale,
-                                    max_context_len=md.max_context_len, **cfg)  # fmt: skip
+            return decode_attention(
+                q,
+                k,
+                v,
+                md.block_tables,
+                md.context_lens,
+                scale,
+                max_context_len=md.max_context_len,
+                **cfg,
+            )
 
         def eager(q, k, v, md, kc, vc):
             return layer.decode_attention_ref(q, k, v, md, scale)
 
         def sdpa(q, k, v, md, kc, vc):  # contiguous KV, not paged: a bound for torch
-            return F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=scale,
-                                                  enable_gqa=True)  # fmt: skip
+            return F.scaled_dot_product_attention(
+                q[:, :, None], kc, vc, scale=scale, enable_gqa=True
+            )
 
         torch_fns = {"eager": eager, "sdpa_contiguous": sdpa}
         if batch == 64:
@@ -273,39 +314,49 @@ def _bench_attention(res) -> None:
         shape = f"{model} B={batch} ctx={ctx} bs=16"
         _kernel_row(res, "decode_attention", shape, nbytes, 0, make_set, tri, torch_fns)
         if model == "llama-3.1-8b":
-            _sweep(res, "decode_attention", shape, nbytes, make_set, tri,
-                   decode_sweeps[batch, ctx])  # fmt: skip
+            _sweep(res, "decode_attention", shape, nbytes, make_set, tri, decode_sweeps[batch, ctx])
     # Shared prefixes (the prefix benchmark's decode steps): 512 rows in 16 groups sharing a
     # 2,048-token prompt + 320 tokens each; GB/s counts the KV stored once (what cascade reads).
     from tinyserve.kernels.shared_prefix_attention import shared_prefix_rows
-
-    from tinyserve.graphs import plan_shared_prefixes
+    from tinyserve.runner.graphs import plan_shared_prefixes
 
     def make_shared():
         q, k, v, md = _paged_inputs([1] * 512, [2368] * 512, 16, 8, 128, 16)
         md.block_tables[:, :128] = md.block_tables[torch.arange(512) % 16, :128]
-        plan = plan_shared_prefixes(md.block_tables.cpu().numpy(), np.full(512, 2368), 16,
-                                    shared_prefix_rows(16, 8), 256)  # fmt: skip
+        plan = plan_shared_prefixes(
+            md.block_tables.cpu().numpy(), np.full(512, 2368), 16, shared_prefix_rows(16, 8), 256
+        )
         return q.view(512, 16, 128), k, v, md, *(torch.from_numpy(x).cuda() for x in plan)
 
     def plain(q, k, v, md, chunks, lens):
         return decode_attention(q, k, v, md.block_tables, md.context_lens, scale)
 
     def cascade(q, k, v, md, chunks, lens):
-        return decode_attention(q, k, v, md.block_tables, md.context_lens, scale,
-                                shared_chunks=chunks, shared_lens=lens)  # fmt: skip
+        return decode_attention(
+            q, k, v, md.block_tables, md.context_lens, scale, shared_chunks=chunks, shared_lens=lens
+        )
 
     nbytes = (16 * 2048 + 512 * 320) * 8 * 128 * 2 * 2
     shape = "qwen3-0.6b B=512 16 groups x 2048 shared + 320 ctx"
-    _kernel_row(res, "decode_attention[shared prefix]", shape, nbytes, 0, make_shared, cascade,
-                {"plain_triton": plain})  # fmt: skip
+    _kernel_row(
+        res,
+        "decode_attention[shared prefix]",
+        shape,
+        nbytes,
+        0,
+        make_shared,
+        cascade,
+        {"plain_triton": plain},
+    )
     # Prefill: fresh prompts, chunks after a cached prefix, and a mixed decode + prefill batch.
-    prefill_cfgs = [dict(block_m=128, block_n=128, num_warps=8),
-                    dict(block_m=128, block_n=64, num_warps=4),
-                    dict(block_m=64, block_n=64, num_warps=4),
-                    dict(block_m=64, block_n=128, num_warps=4),
-                    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
-                    dict(block_m=128, block_n=128, num_warps=8, num_stages=2)]  # fmt: skip
+    prefill_cfgs = [
+        dict(block_m=128, block_n=128, num_warps=8),
+        dict(block_m=128, block_n=64, num_warps=4),
+        dict(block_m=64, block_n=64, num_warps=4),
+        dict(block_m=64, block_n=128, num_warps=4),
+        dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+        dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    ]
     for label, query_lens, lens in (
         ("4 x 2048 fresh", [2048] * 4, [2048] * 4),
         ("8 x 512 after 1536 cached", [512] * 8, [2048] * 8),
@@ -315,8 +366,17 @@ def _bench_attention(res) -> None:
         nbytes = 2 * sum(lens) * 8 * 128 * 2 + 2 * sum(query_lens) * 32 * 128 * 2
 
         def tri(q, k, v, md, **cfg):
-            return prefill_attention(q, k, v, md.block_tables, md.cu_seqlens_q, md.context_lens,
-                                     max(md.query_lens_cpu), scale, **cfg)  # fmt: skip
+            return prefill_attention(
+                q,
+                k,
+                v,
+                md.block_tables,
+                md.cu_seqlens_q,
+                md.context_lens,
+                max(md.query_lens_cpu),
+                scale,
+                **cfg,
+            )
 
         def eager(q, k, v, md):
             return layer.prefill_attention_ref(q, k, v, md, scale)
@@ -328,21 +388,30 @@ def _bench_attention(res) -> None:
         flops = 4 * 32 * 128 * visible
         _kernel_row(res, "prefill_attention", shape, nbytes, flops, make_set, tri, {"eager": eager})
         for cfg in prefill_cfgs:
-            _kernel_row(res, "prefill_attention[sweep]", shape, nbytes, flops, make_set,
-                        lambda *s, cfg=cfg: tri(*s, **cfg), {}, cfg=cfg)  # fmt: skip
+            _kernel_row(
+                res,
+                "prefill_attention[sweep]",
+                shape,
+                nbytes,
+                flops,
+                make_set,
+                lambda *s, cfg=cfg: tri(*s, **cfg),
+                {},
+                cfg=cfg,
+            )
 
 
 def _bench_small_ops(res) -> None:
     import torch.nn.functional as F
+
     from tinyserve.kernels.gemv import gemv
     from tinyserve.kernels.rms_norm import rms_norm, rms_norm_ref
     from tinyserve.kernels.rope_store_kv import rope_store_kv
     from tinyserve.kernels.rotary import rotary_embedding
     from tinyserve.kernels.sampling import sample_race, sample_race_ref
     from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref
-
-    from tinyserve.layers import attention as layer
-    from tinyserve.layers.rotary import apply_rotary
+    from tinyserve.model.layers import attention as layer
+    from tinyserve.model.layers.rotary import apply_rotary
 
     dev, bf16 = "cuda", torch.bfloat16
 
@@ -355,17 +424,30 @@ def _bench_small_ops(res) -> None:
     def norm(x, r, w, **cfg):
         return rms_norm(x, w, 1e-6, r, **cfg)
 
-    norm_cfgs = {1024: [dict(block_m=bm, num_warps=nw) for bm, nw in
-                        ((1, 2), (1, 4), (2, 4), (4, 4), (4, 8), (8, 8))],
-                 4096: [dict(block_m=1, num_warps=nw) for nw in (4, 8)]}  # fmt: skip
-    silu_cfgs = [dict(block=b, num_warps=nw) for b, nw in ((512, 4), (2048, 4), (2048, 8),
-                                                          (4096, 8))]  # fmt: skip
+    norm_cfgs = {
+        1024: [
+            dict(block_m=bm, num_warps=nw)
+            for bm, nw in ((1, 2), (1, 4), (2, 4), (4, 4), (4, 8), (8, 8))
+        ],
+        4096: [dict(block_m=1, num_warps=nw) for nw in (4, 8)],
+    }
+    silu_cfgs = [
+        dict(block=b, num_warps=nw) for b, nw in ((512, 4), (2048, 4), (2048, 8), (4096, 8))
+    ]
     for model, hidden, inter in (("qwen3-0.6b", 1024, 3072), ("llama-3.1-8b", 4096, 14336)):
         for rows in (1, 64, 8192):
             shape, nbytes = f"{model} {rows} x {hidden}", 4 * rows * hidden * 2 + hidden * 2
             norm_set = lambda h=hidden, r=rows: (rnd(r, h), rnd(r, h), rnd(h))  # noqa: E731
-            _kernel_row(res, "rms_norm+residual", shape, nbytes, 0, norm_set, norm,
-                        both(lambda x, r, w: rms_norm_ref(x, w, 1e-6, r)))  # fmt: skip
+            _kernel_row(
+                res,
+                "rms_norm+residual",
+                shape,
+                nbytes,
+                0,
+                norm_set,
+                norm,
+                both(lambda x, r, w: rms_norm_ref(x, w, 1e-6, r)),
+            )
             if rows > 1 or hidden == 1024:
                 _sweep(res, "rms_norm+residual", shape, nbytes, norm_set, norm, norm_cfgs[hidden])
             shape, nbytes = f"{model} {rows} x {inter}", 3 * rows * inter * 2
@@ -378,16 +460,26 @@ def _bench_small_ops(res) -> None:
 
         def rope_set(t=tokens):
             qkv = rnd(t, 48 * 128)
-            return (torch.randint(0, 32768, (t,), device=dev), qkv[:, : 32 * 128].view(t, 32, 128),
-                    qkv[:, 32 * 128 : 40 * 128].view(t, 8, 128))  # fmt: skip
+            return (
+                torch.randint(0, 32768, (t,), device=dev),
+                qkv[:, : 32 * 128].view(t, 32, 128),
+                qkv[:, 32 * 128 : 40 * 128].view(t, 8, 128),
+            )
 
         def rope_eager(pos, q, k):
             cos, sin = cache[pos].chunk(2, dim=-1)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        _kernel_row(res, "rotary(q,k)", f"llama-3.1-8b T={tokens}",
-                    tokens * (40 * 128 * 2 * 2 + 128 * 4), 0, rope_set,
-                    lambda p, q, k: rotary_embedding(p, q, k, cache), both(rope_eager))  # fmt: skip
+        _kernel_row(
+            res,
+            "rotary(q,k)",
+            f"llama-3.1-8b T={tokens}",
+            tokens * (40 * 128 * 2 * 2 + 128 * 4),
+            0,
+            rope_set,
+            lambda p, q, k: rotary_embedding(p, q, k, cache),
+            both(rope_eager),
+        )
     kc, vc = rnd(4096, 16, 8, 128), rnd(4096, 16, 8, 128)  # shared: each set writes new slots
     for model, heads, norm in (("qwen3-0.6b", 16, True), ("llama-3.1-8b", 32, False)):
         for tokens in (1, 64, 8192):
@@ -395,8 +487,16 @@ def _bench_small_ops(res) -> None:
             def qkv_set(t=tokens, h=heads, norm=norm):
                 qkv = rnd(t, (h + 16) * 128)
                 norms = (rnd(128), rnd(128)) if norm else (None, None)
-                return (qkv, torch.randint(0, 32768, (t,), device=dev), cache, kc, vc,
-                        torch.randperm(65536, device=dev)[:t], h, *norms)  # fmt: skip
+                return (
+                    qkv,
+                    torch.randint(0, 32768, (t,), device=dev),
+                    cache,
+                    kc,
+                    vc,
+                    torch.randperm(65536, device=dev)[:t],
+                    h,
+                    *norms,
+                )
 
             def qkv_eager(qkv, pos, table, kc, vc, slots, h, qn, kn):
                 # The unfused ops of the torch path (every bench slot is valid: no masking sync).
@@ -409,18 +509,46 @@ def _bench_small_ops(res) -> None:
                 return q
 
             nbytes = tokens * ((heads + 16) * 128 * 2 + heads * 128 * 2 + 16 * 128 * 2 + 128 * 4)
-            _kernel_row(res, "rope_store_kv (q/k norm, rotary, KV store)",
-                        f"{model} T={tokens}", nbytes, 0, qkv_set, rope_store_kv,
-                        both(qkv_eager))  # fmt: skip
+            _kernel_row(
+                res,
+                "rope_store_kv (q/k norm, rotary, KV store)",
+                f"{model} T={tokens}",
+                nbytes,
+                0,
+                qkv_set,
+                rope_store_kv,
+                both(qkv_eager),
+            )
     for batch in (1, 64):
-        _kernel_row(res, "sample_race", f"B={batch} V=151936", batch * 151936 * 4, 0,
-                    lambda b=batch: (rnd(b, 151936, dtype=torch.float32),
-                                     torch.randint(-(2**62), 2**62, (b,), device=dev)),
-                    sample_race, both(sample_race_ref))  # fmt: skip
-    shapes = {"qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
-                             ("down", 1024, 3072), ("lm_head", 151936, 1024)],
-              "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
-                               ("down", 4096, 14336), ("lm_head", 128256, 4096)]}  # fmt: skip
+        _kernel_row(
+            res,
+            "sample_race",
+            f"B={batch} V=151936",
+            batch * 151936 * 4,
+            0,
+            lambda b=batch: (
+                rnd(b, 151936, dtype=torch.float32),
+                torch.randint(-(2**62), 2**62, (b,), device=dev),
+            ),
+            sample_race,
+            both(sample_race_ref),
+        )
+    shapes = {
+        "qwen3-0.6b": [
+            ("qkv", 4096, 1024),
+            ("o", 1024, 2048),
+            ("gate_up", 6144, 1024),
+            ("down", 1024, 3072),
+            ("lm_head", 151936, 1024),
+        ],
+        "llama-3.1-8b": [
+            ("qkv", 6144, 4096),
+            ("o", 4096, 4096),
+            ("gate_up", 28672, 4096),
+            ("down", 4096, 14336),
+            ("lm_head", 128256, 4096),
+        ],
+    }
     for model, layers in shapes.items():
         for name, n, k in layers:
             # gemv_method: stream, dot up to 32 rows (64 for gate_up / LM heads of 1B+ models),
@@ -429,8 +557,9 @@ def _bench_small_ops(res) -> None:
             for m in (1, 2, 4, 8, 16, 32) + more:
                 shape, nbytes = f"{model} {name} M={m} {n}x{k}", (n * k + m * (n + k)) * 2
                 gemv_set = lambda n=n, k=k, m=m: (rnd(m, k), rnd(n, k) * 0.05)  # noqa: E731
-                _kernel_row(res, "gemv", shape, nbytes, 2 * m * n * k, gemv_set, gemv,
-                            {"cublas": F.linear})  # fmt: skip
+                _kernel_row(
+                    res, "gemv", shape, nbytes, 2 * m * n * k, gemv_set, gemv, {"cublas": F.linear}
+                )
                 if 1 < m <= 16:  # the CUDA-core kernel that wins at M = 1, for comparison
                     _sweep(res, "gemv", shape, nbytes, gemv_set, gemv, [dict(method="stream")])
             if name in ("qkv", "gate_up", "down"):
@@ -447,18 +576,22 @@ def _bench_prologue(res, model: str, name: str, n: int, k: int) -> None:
     dev, bf16 = "cuda", torch.bfloat16
     if name == "down":
         nbytes = (n * k + 2 * k + n) * 2
-        make_set = lambda: (torch.randn(1, 2 * k, device=dev, dtype=bf16),  # noqa: E731
-                            torch.randn(n, k, device=dev, dtype=bf16) * 0.05)  # fmt: skip
+        make_set = lambda: (  # noqa: E731
+            torch.randn(1, 2 * k, device=dev, dtype=bf16),
+            torch.randn(n, k, device=dev, dtype=bf16) * 0.05,
+        )
         fused = lambda x, w, **cfg: gemv(x, w, gated=True, **cfg)  # noqa: E731
         ref = lambda x, w: gemv_ref(x, w, gated=True)  # noqa: E731
         two = {"silu_mul+gemv": lambda x, w: gemv(silu_mul(x), w)}
         label = "gemv(silu_mul prologue)"
     else:
         nbytes = (n * k + 4 * k + n) * 2
-        make_set = lambda: (torch.randn(1, k, device=dev, dtype=bf16),  # noqa: E731
-                            torch.randn(n, k, device=dev, dtype=bf16) * 0.05,
-                            torch.randn(1, k, device=dev, dtype=bf16),
-                            torch.randn(k, device=dev, dtype=bf16))  # fmt: skip
+        make_set = lambda: (  # noqa: E731
+            torch.randn(1, k, device=dev, dtype=bf16),
+            torch.randn(n, k, device=dev, dtype=bf16) * 0.05,
+            torch.randn(1, k, device=dev, dtype=bf16),
+            torch.randn(k, device=dev, dtype=bf16),
+        )
 
         def fused(x, w, r, nw, **cfg):
             return gemv(x, w, norm=(nw, 1e-6), residual=r, residual_out=torch.empty_like(x), **cfg)
@@ -482,8 +615,12 @@ def bench_kernels(args) -> dict:
     shapes, bf16, timed as CUDA-graph replays; GB/s and the fraction of the measured copy rate."""
     assert torch.cuda.is_available(), "the kernels workload needs a CUDA device"
     torch.manual_seed(0)
-    res = {"device": torch.cuda.get_device_name(), "ceilings": measure_ceilings("cuda"), "rows": [],
-           "only": args.only}  # fmt: skip
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "ceilings": measure_ceilings("cuda"),
+        "rows": [],
+        "only": args.only,
+    }
     print(json.dumps(res["ceilings"]), flush=True)
     _bench_attention(res)
     _bench_small_ops(res)
@@ -493,39 +630,103 @@ def bench_kernels(args) -> dict:
 # -- prefix caching and long-context interleaving (issue: prefix trie / chunked prefill) -------
 
 SHAPES = {  # published HF configs of the benchmark models, for dummy weights in real shapes
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
-                       rms_norm_eps=1e-6, torch_dtype="bfloat16"),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
-                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                         tie_word_embeddings=True, rope_theta=5e5, max_position_embeddings=131072,
-                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192),
-                         rms_norm_eps=1e-5, torch_dtype="bfloat16"),
-    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                         tie_word_embeddings=False, rope_theta=5e5, max_position_embeddings=131072,
-                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192),
-                         rms_norm_eps=1e-5, torch_dtype="bfloat16"),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
-                     rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        torch_dtype="bfloat16",
+    ),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=5e5,
+        max_position_embeddings=131072,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5,
+        torch_dtype="bfloat16",
+    ),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=5e5,
+        max_position_embeddings=131072,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5,
+        torch_dtype="bfloat16",
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        torch_dtype="bfloat16",
+    ),
     # XiaomiMiMo/MiMo-7B-RL: a Qwen2 body with one MTP layer
-    "mimo-7b": dict(architectures=["MiMoForCausalLM"], model_type="mimo", hidden_size=4096,
-                    intermediate_size=11008, num_hidden_layers=36, num_attention_heads=32,
-                    num_key_value_heads=8, vocab_size=151680, tie_word_embeddings=False,
-                    rope_theta=640000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
-                    num_nextn_predict_layers=1, attention_bias=True, torch_dtype="bfloat16"),
-}  # fmt: skip
+    "mimo-7b": dict(
+        architectures=["MiMoForCausalLM"],
+        model_type="mimo",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=151680,
+        tie_word_embeddings=False,
+        rope_theta=640000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        num_nextn_predict_layers=1,
+        attention_bias=True,
+        torch_dtype="bfloat16",
+    ),
+}
 
 
 def resolve_model(name: str | None) -> tuple[str, str]:
@@ -538,7 +739,7 @@ def resolve_model(name: str | None) -> tuple[str, str]:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(SHAPES[name], f)
         return path, "dummy"
-    from tinyserve.gguf import default_model_path
+    from tinyserve.model.gguf import default_model_path
 
     return name or default_model_path(), "auto"
 
@@ -619,8 +820,11 @@ def bench_prefix(args) -> dict:
 
     def workloads(k: int) -> dict:
         systems = [rand_ids(sys_len) for _ in range(g)]
-        shared = [(0.0, f"{k}g{i}r{j}", systems[i] + rand_ids(q_len), params)
-                  for j in range(r) for i in range(g)]  # fmt: skip
+        shared = [
+            (0.0, f"{k}g{i}r{j}", systems[i] + rand_ids(q_len), params)
+            for j in range(r)
+            for i in range(g)
+        ]
         unique = [(0.0, f"{k}u{i}", rand_ids(sys_len + q_len), params) for i in range(g * r)]
         return {"shared_prefix": shared, "no_sharing": unique}
 
@@ -628,13 +832,26 @@ def bench_prefix(args) -> dict:
     # run in the same order on both engines; the row reports the median over the sets (0: the
     # long-context run only).
     sets = [workloads(k) for k in range(args.repeats)]
-    rows = {name: {"workload": name, "requests": g * r, "prompt_len": sys_len + q_len,
-                   "output_len": out_len, "max_num_seqs": args.max_num_seqs,
-                   "repeats": args.repeats}
-            for name in ("shared_prefix", "no_sharing") if sets}  # fmt: skip
+    rows = {
+        name: {
+            "workload": name,
+            "requests": g * r,
+            "prompt_len": sys_len + q_len,
+            "output_len": out_len,
+            "max_num_seqs": args.max_num_seqs,
+            "repeats": args.repeats,
+        }
+        for name in ("shared_prefix", "no_sharing")
+        if sets
+    }
     for on in (True, False) if sets else ():
-        llm = LLM(path, load_format=load_format, enable_prefix_caching=on, seed=0,
-                  max_num_seqs=args.max_num_seqs)  # fmt: skip
+        llm = LLM(
+            path,
+            load_format=load_format,
+            enable_prefix_caching=on,
+            seed=0,
+            max_num_seqs=args.max_num_seqs,
+        )
         engine, tag = llm.engine, "on" if on else "off"
         # Warm-up: Triton compiles each kernel variant on first use (seconds on a fresh machine,
         # whose compile cache is empty); a shared head also compiles the cached-prefix paths.
@@ -668,9 +885,18 @@ def bench_prefix(args) -> dict:
         res["rows"].append(row)
         print(row, flush=True)
     if args.long_budget:  # 0: skip the long-context run
-        res["rows"].append(_long_context(path, load_format, args.long_budget, n_streams,
-                                         long_len, rand_ids, args.lane_tokens,
-                                         args.lane_reserve_sms))  # fmt: skip
+        res["rows"].append(
+            _long_context(
+                path,
+                load_format,
+                args.long_budget,
+                n_streams,
+                long_len,
+                rand_ids,
+                args.lane_tokens,
+                args.lane_reserve_sms,
+            )
+        )
         print(res["rows"][-1], flush=True)
     return res
 
@@ -682,9 +908,9 @@ def bench_pool(args) -> dict:
     import gc
     import random
 
-    from tinyserve.block_pool import BlockPool
+    from tinyserve.core.block_pool import BlockPool
+    from tinyserve.core.sequence import Sequence
     from tinyserve.sampling_params import SamplingParams
-    from tinyserve.sequence import Sequence
 
     rng, res = random.Random(0), {"rows": []}
     for cache in (True, False):
@@ -709,8 +935,13 @@ def bench_pool(args) -> dict:
         # passes: a tuple is untracked once the tuples inside it are).
         gc.collect()
         gc.collect()
-        res["rows"].append({"prefix_caching": cache, "us_per_block": round(us, 3),
-                            "gc_tracked_objects": len(gc.get_objects())})  # fmt: skip
+        res["rows"].append(
+            {
+                "prefix_caching": cache,
+                "us_per_block": round(us, 3),
+                "gc_tracked_objects": len(gc.get_objects()),
+            }
+        )
         print(res["rows"][-1], flush=True)
         pool = seqs = None
     # Prefix hits: 256 prompts on one cached 2,048-token head (the shared-prefix workload's
@@ -743,8 +974,16 @@ def bench_pool(args) -> dict:
 LONG_ROW_TOKENS = 32  # the long prompt's tokens after its first, decoded beside the streams
 
 
-def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane_tokens=None,
-                  lane_reserve_sms=None) -> dict:  # fmt: skip
+def _long_context(
+    path,
+    load_format,
+    budget,
+    n_streams,
+    long_len,
+    rand_ids,
+    lane_tokens=None,
+    lane_reserve_sms=None,
+) -> dict:
     """Streams decode; a long prompt arrives: ITL p99 while it is computed (beside them on the
     prefill lane where there is one, else chunked into their steps) vs the median without it,
     and its TTFT vs the same prompt on the idle engine; then the ITL median while it decodes
@@ -757,9 +996,14 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane
     it; their median is kept as `itl_median_ms_before`."""
     from tinyserve import LLM, SamplingParams
 
-    llm = LLM(path, load_format=load_format, max_num_batched_tokens=budget, seed=0,
-              prefill_lane_tokens=lane_tokens,
-              prefill_lane_reserve_sms=lane_reserve_sms)  # fmt: skip
+    llm = LLM(
+        path,
+        load_format=load_format,
+        max_num_batched_tokens=budget,
+        seed=0,
+        prefill_lane_tokens=lane_tokens,
+        prefill_lane_reserve_sms=lane_reserve_sms,
+    )
     engine = llm.engine
     lane = engine.runner.lane
     long_len = min(long_len, engine.max_model_len - 64)
@@ -810,23 +1054,31 @@ def _long_context(path, load_format, budget, n_streams, long_len, rand_ids, lane
     llm = engine = None
     _free_gpu()
     start, end = len(before), len(before) + len(during)
-    row = {"workload": "long_context", "streams": n_streams, "long_prompt": long_len,
-           "budget": budget, "itl_median_ms_before": 1e3 * _pct(before, 0.5),
-           "itl_median_ms_without": 1e3 * _pct(control[start:end], 0.5),
-           "itl_median_ms_without_beside": 1e3 * _pct(control[end:], 0.5),
-           "itl_p99_ms_during": 1e3 * _pct(during, 0.99),
-           "itl_median_ms_during": 1e3 * _pct(during, 0.5), "steps_during": len(during),
-           "ttft_long_s": ttft, "ttft_long_alone_s": ttft_alone,
-           "prefill_lane_tokens": lane.chunk if lane else 0,
-           "prefill_lane_on_stream": bool(lane and lane.stream is not None),
-           "prefill_lane_chunks": lane.num_launched if lane else 0,
-           "prefill_lane_reserve_sms": lane.reserve_sms if lane else 0,
-           "itl_median_ms_beside_long_row": 1e3 * _pct(beside, 0.5)}  # fmt: skip
+    row = {
+        "workload": "long_context",
+        "streams": n_streams,
+        "long_prompt": long_len,
+        "budget": budget,
+        "itl_median_ms_before": 1e3 * _pct(before, 0.5),
+        "itl_median_ms_without": 1e3 * _pct(control[start:end], 0.5),
+        "itl_median_ms_without_beside": 1e3 * _pct(control[end:], 0.5),
+        "itl_p99_ms_during": 1e3 * _pct(during, 0.99),
+        "itl_median_ms_during": 1e3 * _pct(during, 0.5),
+        "steps_during": len(during),
+        "ttft_long_s": ttft,
+        "ttft_long_alone_s": ttft_alone,
+        "prefill_lane_tokens": lane.chunk if lane else 0,
+        "prefill_lane_on_stream": bool(lane and lane.stream is not None),
+        "prefill_lane_chunks": lane.num_launched if lane else 0,
+        "prefill_lane_reserve_sms": lane.reserve_sms if lane else 0,
+        "itl_median_ms_beside_long_row": 1e3 * _pct(beside, 0.5),
+    }
     row["itl_p99_ratio"] = row["itl_p99_ms_during"] / row["itl_median_ms_without"]
     row["itl_p99_ratio_vs_before"] = row["itl_p99_ms_during"] / row["itl_median_ms_before"]
     row["ttft_ratio"] = ttft / ttft_alone
-    row["long_row_itl_ratio"] = (row["itl_median_ms_beside_long_row"]
-                                 / row["itl_median_ms_without_beside"])  # fmt: skip
+    row["long_row_itl_ratio"] = (
+        row["itl_median_ms_beside_long_row"] / row["itl_median_ms_without_beside"]
+    )
     return row
 
 
@@ -844,8 +1096,7 @@ def _hf_model(path: str, dtype: torch.dtype):
 
 def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     ids = torch.randint(100, 1000, (batch, prompt_len), device="cuda")
-    kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
-              pad_token_id=0)  # fmt: skip
+    kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
     with torch.inference_mode():
         model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
@@ -858,8 +1109,10 @@ def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
 def _run_offline(llm, prompts, out_lens, temperature: float = 0.0) -> tuple[float, int]:
     from tinyserve import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
-              for i, n in enumerate(out_lens)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate(out_lens)
+    ]
     warm = [p[::-1] for p in prompts[:2]]  # not the prompts themselves: no prefix-cache hits
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     torch.cuda.synchronize()
@@ -878,8 +1131,9 @@ def _steady_step_ms(llm, prompts, out_len: int, temperature: float = 0.0) -> flo
 
     engine = llm.engine
     for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, seed=i, max_tokens=out_len,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            temperature=temperature, seed=i, max_tokens=out_len, ignore_eos=True
+        )
         engine.add_request(f"steady-{i}", p, params)
     started, t0, steps = set(), 0.0, 0
     while engine.has_unfinished():
@@ -937,11 +1191,21 @@ def bench_e2e(args) -> dict:
     from tinyserve import LLM
 
     path, load_format = resolve_model(args.model)
-    res = {"device": torch.cuda.get_device_name(), "model": args.model,
-           "ceilings": measure_ceilings("cuda"), "rows": []}  # fmt: skip
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "model": args.model,
+        "ceilings": measure_ceilings("cuda"),
+        "rows": [],
+    }
     print(json.dumps(res["ceilings"]), flush=True)
-    llm = LLM(path, load_format=load_format, seed=0, max_num_seqs=256,
-              enforce_eager=args.enforce_eager, prefill_lane_tokens=args.lane_tokens)  # fmt: skip
+    llm = LLM(
+        path,
+        load_format=load_format,
+        seed=0,
+        max_num_seqs=256,
+        enforce_eager=args.enforce_eager,
+        prefill_lane_tokens=args.lane_tokens,
+    )
     # The result says whether this run had a prefill lane. Building one leaves batch-1 decode
     # ~3% slower than a fresh engine without (qwen3-0.6b), as any torch kernel a fresh process
     # has not yet run does, e.g. one greedy request with logprobs: with programmatic dependent
@@ -961,8 +1225,13 @@ def bench_e2e(args) -> dict:
         # Reversed prompts: the same lengths, no prefix-cache hits for the timed run.
         _run_offline(llm, [p[::-1] for p in prompts[:64]], [min(n, 32) for n in out_lens[:64]])
         dt, n_out = _run_offline(llm, prompts, out_lens)
-        r = {"workload": name, "seqs": len(prompts), "out_tok_per_s": n_out / dt,
-             "total_tok_per_s": (n_out + sum(map(len, prompts))) / dt, **extra}  # fmt: skip
+        r = {
+            "workload": name,
+            "seqs": len(prompts),
+            "out_tok_per_s": n_out / dt,
+            "total_tok_per_s": (n_out + sum(map(len, prompts))) / dt,
+            **extra,
+        }
         res["rows"].append(r)
         print(r, flush=True)
         return r
@@ -1068,11 +1337,17 @@ def bench_spec(args) -> dict:
                 dt, n_out = _run_offline(llm, prompts, [new] * b, temp)
                 steps = -(-new // (f + 1)) if k else new
                 again = [[rng.randrange(100, vocab - 100) for _ in range(n_in)] for _ in range(b)]
-                r = {"batch": b, "prompt_len": n_in, "k": k or 0, "forced_accept": f,
-                     "draft_vocab": draft_vocab or vocab, "temperature": temp,
-                     "out_tok_per_s": n_out / dt,
-                     "step_ms": dt / steps * 1e3,  # the whole run (prefill included) per step
-                     "steady_step_ms": _steady_step_ms(llm, again, new, temp)}  # fmt: skip
+                r = {
+                    "batch": b,
+                    "prompt_len": n_in,
+                    "k": k or 0,
+                    "forced_accept": f,
+                    "draft_vocab": draft_vocab or vocab,
+                    "temperature": temp,
+                    "out_tok_per_s": n_out / dt,
+                    "step_ms": dt / steps * 1e3,  # the whole run (prefill included) per step
+                    "steady_step_ms": _steady_step_ms(llm, again, new, temp),
+                }
                 if not k:
                     plain[b] = r
                 else:
@@ -1090,8 +1365,16 @@ def _spec_ngram_cpu(path: str, args) -> dict:
     from tinyserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens)
-    msgs = [[{"role": "user", "content": "Fix the typos in this text and repeat it in full, "
-              f"changing nothing else.\n\n{t}"}] for t in EDIT_TEXTS]  # fmt: skip
+    msgs = [
+        [
+            {
+                "role": "user",
+                "content": "Fix the typos in this text and repeat it in full, "
+                f"changing nothing else.\n\n{t}",
+            }
+        ]
+        for t in EDIT_TEXTS
+    ]
     res = {"device": "cpu", "model": path, "rows": []}
     ref = None
     for k in [None, *args.spec_k]:
@@ -1105,9 +1388,13 @@ def _spec_ngram_cpu(path: str, args) -> dict:
         ids = [o.outputs[0].token_ids for o in outs]
         if ref is None:
             ref = ids
-        r = {"batch": 1, "method": "ngram" if k else "off", "k": k or 0,
-             "out_tok_per_s": sum(map(len, ids)) / dt,
-             "identical_to_plain": ids == ref}  # fmt: skip
+        r = {
+            "batch": 1,
+            "method": "ngram" if k else "off",
+            "k": k or 0,
+            "out_tok_per_s": sum(map(len, ids)) / dt,
+            "identical_to_plain": ids == ref,
+        }
         if k:
             s = llm.engine.spec_stats
             r["acceptance"] = s.num_accepted_tokens / max(1, s.num_draft_tokens)
@@ -1138,8 +1425,9 @@ async def _serve_sweep(args) -> list[dict]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(args.url, headers=headers, timeout=timeout,
-                                     connector=conn) as session:  # fmt: skip
+    async with aiohttp.ClientSession(
+        args.url, headers=headers, timeout=timeout, connector=conn
+    ) as session:
         async with session.get("/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         lo, hi = 1 - args.range_ratio, 1 + args.range_ratio
@@ -1149,18 +1437,31 @@ async def _serve_sweep(args) -> list[dict]:
             for conc in args.concurrency:
                 # new random prompts per run, so no run hits the previous one's prefix cache
                 rng = random.Random(len(rows))
-                reqs = [([rng.randrange(1000, 30000) for _ in range(max(1, round(args.input_len
-                         * rng.uniform(lo, hi))))], max(1, round(args.output_len
-                         * rng.uniform(lo, hi)))) for _ in range(args.num_prompts)]  # fmt: skip
+                reqs = [
+                    (
+                        [
+                            rng.randrange(1000, 30000)
+                            for _ in range(max(1, round(args.input_len * rng.uniform(lo, hi))))
+                        ],
+                        max(1, round(args.output_len * rng.uniform(lo, hi))),
+                    )
+                    for _ in range(args.num_prompts)
+                ]
                 rows.append(await _serve_run(session, model, reqs, rate, conc, args))
                 print(json.dumps(rows[-1]))
         return rows
 
 
 async def _serve_one(session, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     chunk_times, num_out = [], 0
     async with session.post("/v1/completions", json=body) as r:
@@ -1180,9 +1481,14 @@ async def _serve_one(session, model: str, prompt: list[int], max_tokens: int) ->
     if not chunk_times:
         return {"ok": False}
     ttft = chunk_times[0] - t0
-    return {"ok": True, "ttft": ttft, "e2el": end - t0, "num_out": num_out,
-            "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
-            "tpot": (end - t0 - ttft) / (num_out - 1) if num_out > 1 else None}  # fmt: skip
+    return {
+        "ok": True,
+        "ttft": ttft,
+        "e2el": end - t0,
+        "num_out": num_out,
+        "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
+        "tpot": (end - t0 - ttft) / (num_out - 1) if num_out > 1 else None,
+    }
 
 
 async def _serve_run(session, model: str, reqs, rate: float, conc: int, args) -> dict:
@@ -1219,17 +1525,26 @@ async def _serve_run(session, model: str, reqs, rate: float, conc: int, args) ->
     itl = [x for r in done for x in r["itl"]]
     tpot = [r["tpot"] for r in done if r["tpot"] is not None]
     return {
-        "rate": rate, "concurrency": conc, "num_prompts": len(reqs), "completed": len(done),
-        "duration_s": duration, "req_per_s": len(done) / duration,
-        "out_tok_per_s": num_out / duration, "total_tok_per_s": (num_in + num_out) / duration,
+        "rate": rate,
+        "concurrency": conc,
+        "num_prompts": len(reqs),
+        "completed": len(done),
+        "duration_s": duration,
+        "req_per_s": len(done) / duration,
+        "out_tok_per_s": num_out / duration,
+        "total_tok_per_s": (num_in + num_out) / duration,
         "ttft_median_ms": _pct([r["ttft"] for r in done], 0.5) * ms,
         "ttft_p99_ms": _pct([r["ttft"] for r in done], 0.99) * ms,
-        "tpot_median_ms": _pct(tpot, 0.5) * ms, "tpot_p99_ms": _pct(tpot, 0.99) * ms,
-        "itl_median_ms": _pct(itl, 0.5) * ms, "itl_p99_ms": _pct(itl, 0.99) * ms,
+        "tpot_median_ms": _pct(tpot, 0.5) * ms,
+        "tpot_p99_ms": _pct(tpot, 0.99) * ms,
+        "itl_median_ms": _pct(itl, 0.5) * ms,
+        "itl_p99_ms": _pct(itl, 0.99) * ms,
         "e2el_median_ms": _pct([r["e2el"] for r in done], 0.5) * ms,
-        "health_n": len(health), "health_p50_ms": _pct(health, 0.5) * ms,
-        "health_p99_ms": _pct(health, 0.99) * ms, "health_max_ms": max(health, default=0) * ms,
-    }  # fmt: skip
+        "health_n": len(health),
+        "health_p50_ms": _pct(health, 0.5) * ms,
+        "health_p99_ms": _pct(health, 0.99) * ms,
+        "health_max_ms": max(health, default=0) * ms,
+    }
 
 
 def _probe_health(url: str, hz: float, stop, out) -> None:
@@ -1265,11 +1580,20 @@ def main() -> None:
         default=["latency", "hf64", "nano-vllm", "decode-heavy", "prefill-heavy"],
         help="e2e: which rows",
     )
-    p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
-                   help="spec (MTP): draft from a token map of this many ids (0: the whole "
-                        "vocabulary); each value is a run")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="spec: sampling temperature (0: greedy; seeded)")  # fmt: skip
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="spec (MTP): draft from a token map of this many ids (0: the whole "
+        "vocabulary); each value is a run",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="spec: sampling temperature (0: greedy; seeded)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="e2e: no CUDA graphs")
     p.add_argument("--only", nargs="+", default=None, help="kernels: rows whose name has a word")
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M)")
@@ -1281,40 +1605,91 @@ def main() -> None:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--small", action="store_true", help="prefix: the CPU sizes")
     p.add_argument("--max-num-seqs", type=int, default=512, help="prefix: the engine's cap")
-    p.add_argument("--repeats", type=int, default=1, help="prefix: fresh workload sets per "
-                   "engine (0: long context only)")  # fmt: skip
-    p.add_argument("--long-budget", type=int, default=512, help="prefix: max_num_batched_tokens "
-                   "of the long-context run (0: skip it)")  # fmt: skip
-    p.add_argument("--long-len", type=int, default=None, help="prefix: the long prompt's "
-                   "tokens (default 32,768; 4,096 with --small)")  # fmt: skip
-    p.add_argument("--lane-tokens", type=int, default=None, help="prefix (the long-context run) "
-                   "and e2e: prefill_lane_tokens (default: the engine's; 0: no lane)")  # fmt: skip
-    p.add_argument("--lane-reserve-sms", type=int, default=None, help="prefix: the long-context "
-                   "run's prefill_lane_reserve_sms")  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="prefix: fresh workload sets per engine (0: long context only)",
+    )
+    p.add_argument(
+        "--long-budget",
+        type=int,
+        default=512,
+        help="prefix: max_num_batched_tokens of the long-context run (0: skip it)",
+    )
+    p.add_argument(
+        "--long-len",
+        type=int,
+        default=None,
+        help="prefix: the long prompt's tokens (default 32,768; 4,096 with --small)",
+    )
+    p.add_argument(
+        "--lane-tokens",
+        type=int,
+        default=None,
+        help="prefix (the long-context run) "
+        "and e2e: prefill_lane_tokens (default: the engine's; 0: no lane)",
+    )
+    p.add_argument(
+        "--lane-reserve-sms",
+        type=int,
+        default=None,
+        help="prefix: the long-context run's prefill_lane_reserve_sms",
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
     p.add_argument("--api-key", default=None, help="serve: bearer key, if the server has one")
     p.add_argument("--num-prompts", type=int, default=128, help="serve: requests per run")
     p.add_argument("--input-len", type=int, default=128, help="serve: prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="serve: generated tokens")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="serve: lengths uniform in "
-                   "len * [1 - r, 1 + r] (0: fixed)")  # fmt: skip
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
-                   help="serve: Poisson arrival rates (req/s; inf: all at once)")  # fmt: skip
-    p.add_argument("--concurrency", type=int, nargs="+", default=[64],
-                   help="serve: max in-flight requests to sweep")  # fmt: skip
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="serve: lengths uniform in len * [1 - r, 1 + r] (0: fixed)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="serve: Poisson arrival rates (req/s; inf: all at once)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="serve: max in-flight requests to sweep",
+    )
     p.add_argument("--health-hz", type=float, default=20, help="serve: /health probe rate")
     args = p.parse_args()
-    run = {"cpu": bench_cpu, "kernels": bench_kernels, "prefix": bench_prefix, "e2e": bench_e2e,
-           "serve": bench_serve, "spec": bench_spec, "pool": bench_pool}  # fmt: skip
+    run = {
+        "cpu": bench_cpu,
+        "kernels": bench_kernels,
+        "prefix": bench_prefix,
+        "e2e": bench_e2e,
+        "serve": bench_serve,
+        "spec": bench_spec,
+        "pool": bench_pool,
+    }
     run = run[args.workload]
     result = run(args)
-    res = {"workload": args.workload, "commit": git_commit(), "machine": platform.processor()
-           or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), **result}  # fmt: skip
+    res = {
+        "workload": args.workload,
+        "commit": git_commit(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        **result,
+    }
     print(json.dumps(res.get("ceilings", {})))
     for row in res["rows"]:
-        print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                        for k, v in row.items()))  # fmt: skip
+        print(
+            "  ".join(
+                f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            )
+        )
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.workload}-{args.model}" if args.model in SHAPES else args.workload
     path = os.path.join(args.out, f"{tag}-{res['commit']}.json")

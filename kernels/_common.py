@@ -79,7 +79,7 @@ def check_paged(q, k_cache, v_cache, block_tables, batch: int) -> None:
     check(num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv")
     check(block_size & (block_size - 1) == 0, "block_size must be a power of two")
     check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
-          "q and caches need a contiguous last dim")  # fmt: skip
+          "q and caches need a contiguous last dim")
     check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables int32 2-D")
     check(block_tables.shape[0] == batch and block_tables.stride(1) == 1, "block_tables (B, n)")
 

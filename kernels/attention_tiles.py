@@ -25,7 +25,7 @@ def _kv_slots(bt_row, n0, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _kv_tile(k_base, v_base, block_ids, offs, mask, d,
-             stride_kb, stride_ks, stride_vb, stride_vs):  # fmt: skip
+             stride_kb, stride_ks, stride_vb, stride_vs):
     """(k, v) (BLOCK_N, D) at the slots; rows outside mask are 0 and never read (padding slots
     may hold never-written memory, NaN)."""
     k_ptrs = k_base + block_ids * stride_kb + offs * stride_ks + d[None, :]
@@ -38,7 +38,7 @@ def _kv_tile(k_base, v_base, block_ids, offs, mask, d,
 def _attend_tile(
     q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
     QUERY_LEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+):
     """One online-softmax step of the (BLOCK_G, D) queries over keys n; returns (m_i, l_i, acc)."""
     if UPCAST:
         k = k.to(tl.float32)

@@ -44,18 +44,18 @@ def _attend_split(
     last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_LEN: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """Keys [start, end) of one row and kv head into (m_i, l_i, acc). Every key but this step's
     QUERY_LEN new ones was stored by an earlier forward: the first tile of those is fetched
     before waiting on the kernel before (PDL, USE_PDL here only for a one-wave grid; it writes
     q and the new keys), so its latency overlaps that kernel."""
     n, n_mask, block_ids, offs = _kv_slots(bt_row, start, end, BLOCK_SIZE, BLOCK_N)
     k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask & (n < first_new), d,
-                    stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+                    stride_kb, stride_ks, stride_vb, stride_vs)
     pdl_sync(USE_PDL)
     new = n_mask & (n >= first_new)  # all False but in the split holding the new keys
     k_new, v_new = _kv_tile(k_base, v_base, block_ids, offs, new, d,
-                            stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+                            stride_kb, stride_ks, stride_vb, stride_vs)
     k = tl.where(new[:, None], k_new, k)
     v = tl.where(new[:, None], v_new, v)
     q_ptrs = q_ptr + token[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :]
@@ -63,13 +63,13 @@ def _attend_split(
     if UPCAST:
         q = q.to(tl.float32)
     m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
-                                 QUERY_LEN, PRECISION, UPCAST)  # fmt: skip
+                                 QUERY_LEN, PRECISION, UPCAST)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         n, n_mask, block_ids, offs = _kv_slots(bt_row, n0, end, BLOCK_SIZE, BLOCK_N)
         k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask, d,
-                        stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+                        stride_kb, stride_ks, stride_vb, stride_vs)
         m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, last_key, m_i, l_i, acc, scale_log2e,
-                                     QUERY_LEN, PRECISION, UPCAST)  # fmt: skip
+                                     QUERY_LEN, PRECISION, UPCAST)
     return m_i, l_i, acc
 
 
@@ -90,7 +90,7 @@ def _decode_kernel(
     SHARED_SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, QUERY_LEN: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     EARLY_FETCH: tl.constexpr,
-):  # fmt: skip
+):
     if not EARLY_FETCH:  # more than one wave: wait first (see the module docstring)
         pdl_sync(USE_PDL)
     early_pdl: tl.constexpr = USE_PDL and EARLY_FETCH  # the wait, if it is still to come
@@ -132,13 +132,13 @@ def _decode_kernel(
             m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
             g_mask, last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks,
             stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, early_pdl,
-        )  # fmt: skip
+        )
     elif start < end:
         m_i, l_i, acc = _attend_split(
             m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
             g_mask, last_key, d, scale_log2e, stride_qb, stride_qh, stride_kb, stride_ks,
             stride_vb, stride_vs, BLOCK_SIZE, BLOCK_N, QUERY_LEN, PRECISION, UPCAST, early_pdl,
-        )  # fmt: skip
+        )
     else:
         pdl_sync(early_pdl)
 
@@ -154,7 +154,7 @@ def _decode_kernel(
         row = head_rows * total + SHARED_SPLITS + split
         if start < end:  # an empty split writes only its lse (-inf): the merge skips it
             tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-                     mask=g_mask[:, None])  # fmt: skip
+                     mask=g_mask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # empty split: -inf
         tl.store(lse_ptr + row, lse, mask=g_mask)
         if SHARED_SPLITS > 0:  # a row without a shared prefix: its prefix slots are empty
@@ -169,7 +169,7 @@ def _decode_kernel(
 def merge_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -253,14 +253,14 @@ def decode_attention(
     check(query_len >= 1 and q_rows % query_len == 0, "q must have query_len rows a sequence")
     batch = q_rows // query_len
     check(query_len == 1 or query_len * num_heads // num_kv_heads <= MAX_TILE_ROWS,
-          f"query_len x Hq / Hkv must be <= {MAX_TILE_ROWS}")  # fmt: skip
+          f"query_len x Hq / Hkv must be <= {MAX_TILE_ROWS}")
     check(query_len == 1 or shared_chunks is None, "shared prefixes need query_len 1")
     check_paged(q, k_cache, v_cache, block_tables, batch)
     check(context_lens.dtype == torch.int32 and context_lens.shape == (batch,),
-          "context_lens must be (B,) int32")  # fmt: skip
+          "context_lens must be (B,) int32")
     check(context_lens.is_contiguous(), "context_lens must be contiguous")
     check(len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}) == 1,
-          "all inputs must be on one device")  # fmt: skip
+          "all inputs must be on one device")
     if out is None:
         out = torch.empty_like(q)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
@@ -273,13 +273,13 @@ def decode_attention(
         num_splits = default_num_splits(batch, num_kv_heads, max_len, q.device)
     block_n = block_n or (16 if interp else 64)
     check(min_split_len >= 0 and min_split_len % block_n == 0,
-          "min_split_len must be a multiple of the key tile:", block_n)  # fmt: skip
+          "min_split_len must be a multiple of the key tile:", block_n)
     shared = shared_chunks is not None
     prefix_splits = shared_splits if shared else 0
     total = prefix_splits + num_splits
     if total > 1:
         part = torch.empty(q_rows, num_heads, total, head_dim, device=q.device,
-                           dtype=torch.float32)  # fmt: skip
+                           dtype=torch.float32)
         lse = torch.empty(q_rows, num_heads, total, device=q.device, dtype=torch.float32)
     else:
         part = lse = out  # unused by the kernel
@@ -287,7 +287,7 @@ def decode_attention(
         shared_prefix_partials(
             q, k_cache, v_cache, block_tables, shared_chunks, shared_lens, scale, part, lse,
             num_splits=prefix_splits, block_n=block_n,
-        )  # fmt: skip
+        )
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, shared_lens if shared else context_lens,
         out, part, lse,
@@ -303,13 +303,13 @@ def decode_attention(
         EARLY_FETCH=batch * num_kv_heads * num_splits <= 2 * num_sms(q.device),
         num_warps=num_warps or 4, **pdl(q.device),
         num_stages=num_stages or (2 if q.dtype == torch.float32 else 3),  # fp32 tiles: 2x smem
-    )  # fmt: skip
+    )
     if total > 1:
         merge_kernel[(q_rows, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), total,
             BLOCK_S=max(16, next_pow2(total)), HEAD_DIM=head_dim,  # one variant up to 16
             num_warps=4 if head_dim >= 128 else 2, **pdl(q.device),
-        )  # fmt: skip
+        )
     return out
 
 

@@ -58,7 +58,7 @@ def _stream_step(
     acc, sum_sq, w, k, x_ptr, stride_xm, m, m_c, M, K, pid,
     nw_ptr, res_ptr, res_out_ptr, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-):  # fmt: skip
+):
     """acc += x[:, k] * W[n, k] for one K tile, after the prologue; returns (acc, sum_sq)."""
     k_mask = (k < K)[None, :]
     x_ptrs = x_ptr + m_c[:, None] * stride_xm + k[None, :]
@@ -98,7 +98,7 @@ def _gemv_stream_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     ONE_TILE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     LOOP_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     m = tl.arange(0, BLOCK_M)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +123,7 @@ def _gemv_stream_kernel(
             acc, sum_sq, w, kk, x_ptr, stride_xm, m, m_c, M, K, pid,
             nw_ptr, res_ptr, res_out_ptr, stride_rm, stride_rom,
             BLOCK_M, EVEN_K, PROLOGUE, HAS_RES,
-        )  # fmt: skip
+        )
     else:
         pdl_sync(USE_PDL)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
@@ -133,7 +133,7 @@ def _gemv_stream_kernel(
                 acc, sum_sq, w, k, x_ptr, stride_xm, m, m_c, M, K, pid,
                 nw_ptr, res_ptr, res_out_ptr, stride_rm, stride_rom,
                 BLOCK_M, EVEN_K, PROLOGUE, HAS_RES,
-            )  # fmt: skip
+            )
     if BLOCK_M == 1:
         acc = tl.sum(acc, 1)[None, :]  # (1, BLOCK_N)
     else:
@@ -154,7 +154,7 @@ def _gemv_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     MASK_ROWS: tl.constexpr, MASK_X: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """Program i takes W rows [i ROWS, (i + 1) ROWS); MASK_ROWS: fewer than BLOCK_N, the rest of
     the tile masked off (never fetched). SPLIT: program (i, s) sums K range s (K_PER_SPLIT wide,
     whole tiles) into float32 partials y[s] (M x N each, stride_ym); `_split_reduce_kernel` adds
@@ -232,7 +232,7 @@ def _split_reduce_kernel(
     p_ptr, y_ptr, b_ptr, r_ptr, M, N, stride_ym, stride_rm,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """y[m] = sum over s of the partials p[s, m] (+ bias) (+ residual[m], added after the sum is
     rounded to the residual's dtype, as HF adds a projection's output)."""
     pdl_sync(USE_PDL)
@@ -265,7 +265,7 @@ class SplitSum(NamedTuple):
         return self.partials.is_cuda
 
     def reduce(self, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
-               ) -> torch.Tensor:  # fmt: skip
+               ) -> torch.Tensor:
         """The sum (+ residual, in the residual's dtype: HF's add), into `out` if given."""
         p = self.partials
         splits, m, n = p.shape
@@ -275,14 +275,14 @@ class SplitSum(NamedTuple):
         check(out.shape == (m, n) and out.stride(1) == 1, f"out must be ({m}, {n}), stride 1")
         if residual is not None:
             check(residual.shape == (m, n) and residual.stride(1) == 1 and out.dtype == dtype,
-                  f"the residual must be ({m}, {n}), stride 1, in out's dtype")  # fmt: skip
+                  f"the residual must be ({m}, {n}), stride 1, in out's dtype")
         block = min(1024, next_pow2(n))
         r = out if residual is None else residual
         _split_reduce_kernel[(m, triton.cdiv(n, block))](
             p, out, self.bias if self.bias is not None else p, r, m, n, out.stride(0),
             r.stride(0), SPLITS=splits, HAS_BIAS=self.bias is not None,
             HAS_RES=residual is not None, BLOCK=block, num_warps=4, **pdl(p.device),
-        )  # fmt: skip
+        )
         return out
 
 
@@ -328,7 +328,7 @@ def gemv(
         method = "stream" if gated or norm is not None else gemv_method(m, n, k) or "dot"
     if silu_mul:
         check(method in ("dot", "tma") and not (gated or norm),
-              "silu_mul is the dot and tma kernels' epilogue")  # fmt: skip
+              "silu_mul is the dot and tma kernels' epilogue")
         check(n % 2 == 0, f"silu_mul needs W as [gate; up], got {n} rows")
         check(out is None or out.dtype == x.dtype, "silu_mul: out in x's dtype")
     n_out = n // 2 if silu_mul else n
@@ -358,7 +358,7 @@ def gemv(
             check(residual_out is not None, "a residual needs residual_out")
             for t in (residual, residual_out):
                 check(t.shape == x.shape and t.dtype == x.dtype and t.stride(1) == 1,
-                      "residual / residual_out must match x")  # fmt: skip
+                      "residual / residual_out must match x")
             check(
                 residual_out.data_ptr() not in (x.data_ptr(), residual.data_ptr()),
                 "residual_out must not alias x or residual (other programs still read them)",
@@ -383,11 +383,11 @@ def gemv(
             ONE_TILE=k <= block_k, PROLOGUE=prologue, HAS_RES=residual is not None,
             HAS_BIAS=bias is not None, LOOP_STAGES=stages, num_warps=num_warps or 4,
             **pdl(x.device),
-        )  # fmt: skip
+        )
     elif method == "tma":
         cfg_n, cfg_k, cfg_stages, cfg_warps = tma_config(silu_mul)
         launch_tma(x, weight, out, bias, silu_mul, block_n or cfg_n, block_k or cfg_k,
-                   num_stages or cfg_stages, num_warps or cfg_warps)  # fmt: skip
+                   num_stages or cfg_stages, num_warps or cfg_warps)
     elif method == "dot":
         block_m, mask_x = x_tile(m)
         cfg = dot_config(m, n, k, x.dtype, x.device)
@@ -403,7 +403,7 @@ def gemv(
             MASK_X=mask_x, SPLIT=False, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
             num_warps=num_warps or cfg.warps, num_stages=num_stages or cfg.stages, **pdl(x.device),
-        )  # fmt: skip
+        )
     else:
         block_m, mask_x = x_tile(m)
         cfg_n, cfg_k, cfg_stages, splits = split_config(m, n, k, x.dtype, x.device)
@@ -418,7 +418,7 @@ def gemv(
             MASK_ROWS=False, MASK_X=mask_x, SPLIT=True, SILU_MUL=False, HAS_BIAS=False,
             PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
             num_warps=num_warps or 4, num_stages=num_stages or cfg_stages, **pdl(x.device),
-        )  # fmt: skip
+        )
         product = SplitSum(partials, bias, x.dtype)
         if not reduce:
             return product

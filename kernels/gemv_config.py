@@ -31,7 +31,7 @@ CUBLAS_QKV_ROWS = 48
 
 
 def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 0
-                  ) -> tuple[int, int]:  # fmt: skip
+                  ) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): ~4 programs per SM (1 row each when N is small), 8 KB of W a step.
     A prologue (1: norm, 2: gated) reads x in every program, so each takes more W rows."""
     block_m = next_pow2(m)
@@ -65,7 +65,7 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
 
 
 def stream_stages(m: int, k: int, block_n: int, block_k: int, itemsize: int,
-                  device: torch.device) -> int:  # fmt: skip
+                  device: torch.device) -> int:
     """W tiles a stream program keeps in flight: 3 (2 fetched ahead, through shared memory) once
     it loops over 16 or more K tiles, or for two rows at K >= 4096; else 1 (fetch, then use).
     H200, MiMo-7B, us a call: gate_up at 1 row 48.4 -> 44.6-44.8 (16 tiles), gated down at 2 rows
@@ -144,7 +144,7 @@ def _last_wave_fill(n: int, block_n: int, sms: int) -> float:
 
 
 def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device: torch.device,
-                  max_stages: int) -> tuple[int, int]:  # fmt: skip
+                  max_stages: int) -> tuple[int, int]:
     """(BLOCK_K, stages) of a dot tile: BLOCK_K halved until two stages of W and x tiles fit in
     shared memory (float32 at 32 rows on a 100 KB consumer card), then as many stages as fit,
     up to max_stages, and at least enough that one program holds over half of an SM's shared
@@ -166,7 +166,7 @@ def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device
 
 
 def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
-                 ) -> tuple[int, int, int, int]:  # fmt: skip
+                 ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, stages, splits) of the split-K dot kernel: 64 x 128 W tiles, 4 stages (5
     at 64 rows: `_fit_pipeline`), K split in up to 4 so the grid fills the SMs once. H100 sweep,
     bf16, M = 64 / 128, us against cuBLAS (which splits K itself at 64 rows): MiMo-7B down 36.8 /

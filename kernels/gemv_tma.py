@@ -35,7 +35,7 @@ def _gemv_tma_kernel(
     w_desc, x_desc, y_ptr, b_ptr, M, N, K, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """Program i writes y columns [i BLOCK_N, (i + 1) BLOCK_N). SILU_MUL: W is [gate; up] (2N x K),
     so the program streams those gate rows and the same up rows, and y = silu(gate) * up."""
     pdl_sync(USE_PDL)
@@ -68,14 +68,14 @@ def _gemv_tma_kernel(
 
 def launch_tma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                silu_mul: bool, block_n: int, block_k: int, num_stages: int, num_warps: int
-               ) -> None:  # fmt: skip
+               ) -> None:
     """y = out (M, N_out) from x (M, K) and W (N, K), checked by `gemv`; N_out = N / 2 with
     silu_mul. A descriptor needs 16-byte aligned rows, so K x itemsize must be a multiple of 16."""
     (m, k), n_out = x.shape, out.shape[1]
     check(k * x.element_size() % 16 == 0, "tma needs K x itemsize to be a multiple of 16 bytes")
     for t in (x, weight):
         check(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0,
-              "tma needs 16-byte aligned rows")  # fmt: skip
+              "tma needs 16-byte aligned rows")
     block_m = max(16, next_pow2(m))
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
@@ -84,4 +84,4 @@ def launch_tma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: t
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul,
         HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype), UPCAST=is_interpreter(),
         num_warps=num_warps, num_stages=num_stages, **pdl(x.device),
-    )  # fmt: skip
+    )

@@ -23,7 +23,7 @@ def _mtp_input_kernel(
     h_ptr, ids_ptr, pos_ptr, emb_ptr, hw_ptr, tw_ptr, out_ptr, num_rows, N, eps,
     stride_h, stride_e, stride_o, h_col, t_col,
     BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     pdl_sync(USE_PDL)  # hidden, ids and positions come from the kernels before this one
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -71,7 +71,7 @@ def mtp_input(
             token_weight, out, num_rows, n, eps, hidden.stride(0), embed.stride(0),
             out.stride(0), 0 if hidden_first else n, n if hidden_first else 0,
             BLOCK_N=block_n, num_warps=max(1, min(16, block_n // 256)), **pdl(device),
-        )  # fmt: skip
+        )
     return out
 
 

@@ -32,7 +32,7 @@ def _attend_tile(
     stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+):
     """One online-softmax step over keys [n0, n0 + BLOCK_N); MASKED applies causality/length."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
@@ -84,7 +84,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
@@ -132,17 +132,17 @@ def _prefill_kernel(
             q, m_i, l_i, acc, n0, k_base, v_base, bt_row, pos, kv_end, d, scale_log2e,
             stride_kb, stride_ks, stride_vb, stride_vs,
             BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST,
-        )  # fmt: skip
+        )
     for n0 in range(tl.maximum(full_end, lo), hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, n0, k_base, v_base, bt_row, pos, kv_end, d, scale_log2e,
             stride_kb, stride_ks, stride_vb, stride_vs,
             BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
-        )  # fmt: skip
+        )
     if ONE_PASS:  # key 0 is in every row's only split: l_i > 0
         out = acc / l_i[:, None]
         o_ptrs = (out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
-                  + d[None, :])  # fmt: skip
+                  + d[None, :])
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
         # part (T, Hq, num_splits, D) and lse (T, Hq, num_splits), float32, as the decode
@@ -150,9 +150,9 @@ def _prefill_kernel(
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         row = ((q_start + qi) * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-                 mask=row_mask[:, None])  # fmt: skip
+                 mask=row_mask[:, None])
         tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")),
-                 mask=row_mask)  # fmt: skip
+                 mask=row_mask)
 
 
 MIN_SPLIT_KEYS = 1024  # keys a split gets at least, so its programs outweigh the merge pass
@@ -160,7 +160,7 @@ TALL_MIN_ROWS = 896  # query rows (tokens x padded group) from which one chunk t
 
 
 def prefill_tile(batch: int, query_rows: int, dtype: torch.dtype, smem: int
-                 ) -> tuple[int, int, int, int]:  # fmt: skip
+                 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) of a launch on the GPU. 64 x 64 tiles and 4 warps: the
     best of 6 configs on H100 for batches of several rows (bf16, Llama-3.1-8B heads). One long
     chunk (the prefill lane's 4,096 tokens) takes 128 x 128 tiles and 8 warps where 3 stages of
@@ -187,7 +187,7 @@ def prefill_tiles(dtype: torch.dtype, device: torch.device) -> set[tuple[int, in
 
 def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads: int,
                        num_kv_heads: int, device: torch.device,
-                       dtype: torch.dtype = torch.bfloat16) -> int:  # fmt: skip
+                       dtype: torch.dtype = torch.bfloat16) -> int:
     """Key splits for a step (host lists, no sync): each program attends one query tile over
     its keys, so a chunk of a long prompt beside short rows is a handful of programs that each
     read tens of thousands of keys while most SMs sit idle. Cut the longest program's keys until
@@ -199,7 +199,7 @@ def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads
         return 1
     g_pad = next_pow2(num_heads // num_kv_heads)
     block_m, _, warps, _ = prefill_tile(len(query_lens), max(query_lens) * g_pad, dtype,
-                                        shared_memory(device))  # fmt: skip
+                                        shared_memory(device))
     block_q = block_m // g_pad
     work = sum(-(-n // block_q) * c for n, c in zip(query_lens, context_lens)) * num_kv_heads
     longest = max(context_lens)
@@ -234,12 +234,12 @@ def prefill_attention(
     batch = context_lens.shape[0]
     check_paged(q, k_cache, v_cache, block_tables, batch)
     check(context_lens.dtype == torch.int32 and context_lens.is_contiguous(),
-          "context_lens must be (B,) int32")  # fmt: skip
+          "context_lens must be (B,) int32")
     check(cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (batch + 1,),
-          "cu_seqlens_q must be (B+1,) int32")  # fmt: skip
+          "cu_seqlens_q must be (B+1,) int32")
     check(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
     check(len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)})
-          == 1, "all inputs must be on one device")  # fmt: skip
+          == 1, "all inputs must be on one device")
     if out is None:
         out = torch.empty_like(q)
     check(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
@@ -250,13 +250,13 @@ def prefill_attention(
     g_pad = next_pow2(group)
     interp = is_interpreter()
     tile = (16, 16, 4, 2) if interp else prefill_tile(batch, max_query_len * g_pad, q.dtype,
-                                                      shared_memory(q.device))  # fmt: skip
+                                                      shared_memory(q.device))
     block_m = max(block_m or tile[0], 16, g_pad)
     block_q = block_m // g_pad
     block_n = block_n or tile[1]
     if num_splits > 1:
         part = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device,
-                           dtype=torch.float32)  # fmt: skip
+                           dtype=torch.float32)
         # Rows past cu_seqlens_q[-1] are never written: -inf makes the merge give them zeros.
         lse = torch.full((num_tokens, num_heads, num_splits), float("-inf"), device=q.device)
     else:
@@ -274,13 +274,13 @@ def prefill_attention(
         ONE_PASS=num_splits == 1, PRECISION=dot_precision(q.dtype), UPCAST=interp,
         num_warps=num_warps or tile[2],
         num_stages=num_stages or tile[3],
-    )  # fmt: skip
+    )
     if num_splits > 1:
         merge_kernel[(num_tokens, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_splits,
             BLOCK_S=max(16, next_pow2(num_splits)), HEAD_DIM=head_dim,
             num_warps=4 if head_dim >= 128 else 2, USE_PDL=False,
-        )  # fmt: skip
+        )
     return out
 
 

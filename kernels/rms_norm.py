@@ -24,7 +24,7 @@ def _rms_norm_kernel(
     stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,
     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """SPLITS > 0: x is a split-K product's float32 partials (SPLITS x num_rows x N, split_stride
     apart) and its bias, summed and rounded to the residual's dtype before the add."""
     pdl_sync(USE_PDL)
@@ -45,7 +45,7 @@ def _rms_norm_kernel(
         tl.store(rout_ptr + t * stride_ro0 + h * stride_ro1 + cols, x, mask=mask)
     y = normed_rows(x, w_ptr, cols, N, eps)
     tl.store(out_ptr + t * stride_o0 + h * stride_o1 + cols, y.to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+             mask=mask)
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def rms_norm(
     if isinstance(x, SplitSum):
         check(residual is not None, "a SplitSum is normed with a residual")
         check(x.partials.dtype == torch.float32 and x.partials.is_contiguous(),
-              "SplitSum partials: (S, M, N) float32, contiguous")  # fmt: skip
+              "SplitSum partials: (S, M, N) float32, contiguous")
         splits, bias, x = x.partials.shape[0], x.bias, x.partials[0]  # x: split 0, (M, N)
     check(x.dim() in (2, 3), "x must be (M, N) or (T, H, N)")
     shape, device = x.shape, x.device
@@ -107,7 +107,7 @@ def rms_norm(
         check(residual_out.shape == shape and residual_out.dtype == dtype, "bad residual_out")
         check(residual.stride(-1) == 1 and residual_out.stride(-1) == 1, "residual last dim")
         check(residual.device == device and residual_out.device == device,
-              "all inputs must be on one device")  # fmt: skip
+              "all inputs must be on one device")
         r, ro = residual, residual_out
     if bias is not None:
         check(bias.shape == (n,) and bias.is_contiguous(), "SplitSum bias must be (N,)")
@@ -122,7 +122,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None, SPLITS=splits, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps or max(1, min(16, block_m * block_n // 256)), **pdl(device),
-        )  # fmt: skip
+        )
     if residual is None:
         return out
     return out, residual_out

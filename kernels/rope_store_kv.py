@@ -19,7 +19,7 @@ from ._common import FLOAT_DTYPES, check, next_pow2, pdl, pdl_sync
 
 @triton.jit
 def _norm_rotate(x_ptr, num_heads, cos, sin, w1, w2, eps,
-                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):
     """Heads [0, num_heads) at x_ptr (contiguous, HEAD_DIM apart) -> rotated halves, float32;
     w1, w2: the norm weight's halves (float32)."""
     half: tl.constexpr = HEAD_DIM // 2
@@ -46,7 +46,7 @@ def _rope_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     half: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     # Positions, slots, the table and the norm weights are step inputs or weights: fetched
@@ -76,7 +76,7 @@ def _rope_store_kv_kernel(
 
     if slot >= 0:
         k1, k2 = _norm_rotate(k_ptr, num_kv_heads, cos, sin, kw1, kw2, eps, HEAD_DIM, BLOCK_HK,
-                              QK_NORM)  # fmt: skip
+                              QK_NORM)
         hk = tl.arange(0, BLOCK_HK)[:, None]
         kv_mask = hk < num_kv_heads
         block, offset = slot // block_size, slot % block_size
@@ -111,11 +111,11 @@ def rope_store_kv(
     check(k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "caches need a contiguous last dim")
     check(head_dim >= 2 and next_pow2(head_dim) == head_dim, "head_dim must be a power of two")
     check(qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim,
-          f"qkv has {qkv.shape[1]} columns, expected (Hq + 2 Hkv) * D")  # fmt: skip
+          f"qkv has {qkv.shape[1]} columns, expected (Hq + 2 Hkv) * D")
     check(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim,
-          "cos_sin_cache must be (P, D)")  # fmt: skip
+          "cos_sin_cache must be (P, D)")
     check(cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1,
-          "cos_sin_cache must be float32 with a contiguous last dim")  # fmt: skip
+          "cos_sin_cache must be float32 with a contiguous last dim")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         check(t.shape == (num_tokens,) and t.is_contiguous(), f"{name} must be (T,)")
         check(t.dtype in (torch.int64, torch.int32), f"{name} must be int64/int32")
@@ -137,7 +137,7 @@ def rope_store_kv(
             HEAD_DIM=head_dim, BLOCK_HQ=next_pow2(num_heads), BLOCK_HK=next_pow2(num_kv_heads),
             QK_NORM=q_norm is not None, num_warps=4 if num_heads * head_dim >= 2048 else 2,
             **pdl(qkv.device),
-        )  # fmt: skip
+        )
     return q
 
 

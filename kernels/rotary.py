@@ -17,7 +17,7 @@ from ._common import FLOAT_DTYPES, check, next_pow2
 
 @triton.jit
 def _rotate_heads(x_ptr, o_ptr, stride_h, stride_oh, num_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, HALF)[None, :]
     mask = h < num_heads
@@ -35,17 +35,17 @@ def _rotary_kernel(
     stride_cache, stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HAS_K: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF)[None, :]
     cos = tl.load(cache_ptr + pos * stride_cache + i)  # (1, HALF) float32
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + i)
     _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh,
-                  num_q_heads, cos, sin, HALF, BLOCK_HQ)  # fmt: skip
+                  num_q_heads, cos, sin, HALF, BLOCK_HQ)
     if HAS_K:
         _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh,
-                      num_k_heads, cos, sin, HALF, BLOCK_HK)  # fmt: skip
+                      num_k_heads, cos, sin, HALF, BLOCK_HK)
 
 
 def rotary_embedding(
@@ -62,11 +62,11 @@ def rotary_embedding(
     num_tokens, num_q_heads, head_dim = q.shape
     check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
     check(head_dim % 2 == 0 and next_pow2(head_dim // 2) == head_dim // 2,
-          "head_dim must be a power of two")  # fmt: skip
+          "head_dim must be a power of two")
     check(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim,
-          "cos_sin_cache must be (P, D) (partial rotary is not supported)")  # fmt: skip
+          "cos_sin_cache must be (P, D) (partial rotary is not supported)")
     check(cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1,
-          "cos_sin_cache must be float32 with a contiguous last dim")  # fmt: skip
+          "cos_sin_cache must be float32 with a contiguous last dim")
     check(positions.shape == (num_tokens,) and positions.is_contiguous(), "positions (T,)")
     check(positions.dtype in (torch.int64, torch.int32), "positions must be int64/int32")
     check(q.stride(2) == 1, "q needs a contiguous last dim")
@@ -87,7 +87,7 @@ def rotary_embedding(
         q_out.stride(0), q_out.stride(1), ko_arg.stride(0), ko_arg.stride(1),
         HALF=head_dim // 2, BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(k_arg.shape[1]),
         HAS_K=k is not None, num_warps=4 if num_q_heads * head_dim >= 2048 else 2,
-    )  # fmt: skip
+    )
     return q_out, k_out
 
 

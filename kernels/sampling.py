@@ -40,7 +40,7 @@ def _race_chunk_kernel(
     x_ptr, keys_ptr, greedy_ptr, best_ptr, best_idx_ptr, V, chunk, stride_x,
     BLOCK_V: tl.constexpr, HAS_GREEDY: tl.constexpr, SAMPLED: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -76,7 +76,7 @@ def _race_chunk_kernel(
 @triton.jit(do_not_specialize=["num_chunks"])
 def _race_pick_kernel(best_ptr, best_idx_ptr, ids_ptr, out_ptr, num_chunks,
                       BLOCK_C: tl.constexpr, HAS_IDS: tl.constexpr,
-                      USE_PDL: tl.constexpr):  # fmt: skip
+                      USE_PDL: tl.constexpr):
     """BLOCK_C covers the most chunks the vocabulary can take (a tile each), whatever the batch.
     HAS_IDS: column v stands for token ids[v] (a draft head's token map)."""
     pdl_sync(USE_PDL)
@@ -114,7 +114,7 @@ def sample_race(
 
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None, ids: torch.Tensor | None = None
-           ) -> torch.Tensor:  # fmt: skip
+           ) -> torch.Tensor:
     """x (B, V) float32 -> (B,) int64 ids of each row's maximum, into `out` if given: the first
     on ties (torch.argmax's rule); NaN never wins (torch's would); with `ids` (V,) int64, the
     maximum v's ids[v] (a draft head's token map, without a gather kernel). The race without
@@ -128,17 +128,17 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None, ids: torch.Tensor |
     if out is None:
         out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     check(out.shape == x.shape[:1] and out.dtype == torch.int64 and out.is_contiguous(),
-          "out must be (B,) int64, contiguous")  # fmt: skip
+          "out must be (B,) int64, contiguous")
     check(out.device == x.device, "x and out on one device")
     if ids is not None:
         check(ids.shape == x.shape[1:] and ids.dtype == torch.int64 and ids.is_contiguous(),
-              "ids must be (V,) int64, contiguous")  # fmt: skip
+              "ids must be (V,) int64, contiguous")
         check(ids.device == x.device, "x and ids on one device")
     return _race(x, out, out, out, None, all_greedy=True, ids=ids)
 
 
 def _race(x, keys, greedy, out, num_chunks: int | None, has_greedy: bool = False,
-          all_greedy: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+          all_greedy: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1: the best (value, id) of each vocab chunk; pass 2: the best chunk's id, into out.
     By default chunks of two tiles, at any batch: a program's loop waits on each tile's load,
     so the ~2 programs an SM over the batch this took before (chunks of 30 tiles at 64 rows of
@@ -162,11 +162,11 @@ def _race(x, keys, greedy, out, num_chunks: int | None, has_greedy: bool = False
         x, keys, greedy, best, best_idx, vocab, chunk, x.stride(0),
         BLOCK_V=block_v, HAS_GREEDY=has_greedy, SAMPLED=not all_greedy,
         num_warps=4, **pdl(x.device),
-    )  # fmt: skip
+    )
     _race_pick_kernel[(batch,)](
         best, best_idx, out if ids is None else ids, out, num_chunks, BLOCK_C=next_pow2(tiles),
         HAS_IDS=ids is not None, num_warps=1, **pdl(x.device),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -191,7 +191,7 @@ def sample_race_ref(
 ) -> torch.Tensor:
     """tinyserve.sampling.sample's last stage, op for op (its stream re-derived here)."""
     golden, mul1, mul2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
-                                              0x94D049BB133111EB))  # fmt: skip
+                                              0x94D049BB133111EB))
     z = keys[:, None] + (torch.arange(x.shape[1], device=x.device) + 1) * golden  # (B, V) int64
     z ^= (z >> 30) & ((1 << 34) - 1)  # logical shifts of the unsigned value
     z *= mul1

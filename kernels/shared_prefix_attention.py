@@ -42,7 +42,7 @@ def _shared_prefix_kernel(
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """Program (chunk, kv head, split): the chunk's members' query heads of this kv head (up to
     BLOCK_M = ROWS * GROUP query rows) against one split of the prefix in the leader's table."""
     pdl_sync(USE_PDL)
@@ -62,7 +62,7 @@ def _shared_prefix_kernel(
     valid = rows >= 0  # an unused chunk is all -1
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=valid[:, None], other=0.0)  # fmt: skip
+                mask=valid[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -74,15 +74,15 @@ def _shared_prefix_kernel(
     for n0 in range(start, end, BLOCK_N):
         n, n_mask, block_ids, offs = _kv_slots(bt_row, n0, end, BLOCK_SIZE, BLOCK_N)
         k, v = _kv_tile(k_base, v_base, block_ids, offs, n_mask, d,
-                        stride_kb, stride_ks, stride_vb, stride_vs)  # fmt: skip
+                        stride_kb, stride_ks, stride_vb, stride_vs)
         # One query a row: no causal mask, so n stands in for the last keys.
         m_i, l_i, acc = _attend_tile(q, k, v, n, n_mask, n, m_i, l_i, acc, scale_log2e,
-                                     1, PRECISION, UPCAST)  # fmt: skip
+                                     1, PRECISION, UPCAST)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     row = (rows * num_heads + heads) * total_splits + split
     tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
-             mask=valid[:, None])  # fmt: skip
+             mask=valid[:, None])
     tl.store(lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=valid)
 
 
@@ -112,9 +112,9 @@ def shared_prefix_partials(
     check(shared_lens is not None, "shared_chunks needs shared_lens")
     check(shared_chunks.dtype == torch.int32 and shared_chunks.dim() == 2
           and shared_chunks.shape[1] == 1 + rows and shared_chunks.stride(1) == 1,
-          f"shared_chunks must be (C, {1 + rows}) int32")  # fmt: skip
+          f"shared_chunks must be (C, {1 + rows}) int32")
     check(shared_lens.dtype == torch.int32 and shared_lens.shape == (batch,)
-          and shared_lens.is_contiguous(), "shared_lens must be (B,) int32")  # fmt: skip
+          and shared_lens.is_contiguous(), "shared_lens must be (B,) int32")
     check(num_splits >= 1, "shared_splits must be >= 1")
     if shared_chunks.shape[0] == 0:
         return
@@ -129,4 +129,4 @@ def shared_prefix_partials(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION=dot_precision(q.dtype), UPCAST=is_interpreter(),
         num_warps=4, num_stages=2, **pdl(q.device),
-    )  # fmt: skip
+    )

@@ -15,7 +15,7 @@ from ._common import FLOAT_DTYPES, check, pdl, pdl_sync
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):  # fmt: skip
+                     USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

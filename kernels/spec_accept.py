@@ -27,11 +27,11 @@ from ._common import check, next_pow2
 # (a force of 1 became a constant, which failed to compile) and for each pointer's alignment.
 @triton.jit(do_not_specialize=["sampled_ptr", "draft_ptr", "starts_ptr", "acc_ptr", "last_ptr",
                              "copy_a_ptr", "copy_b_ptr", "len_a", "len_b", "num_rows",
-                             "num_segs", "force", "force_ptr"])  # fmt: skip
+                             "num_segs", "force", "force_ptr"])
 def _accept_kernel(sampled_ptr, draft_ptr, starts_ptr, acc_ptr, last_ptr, copy_a_ptr,
                    copy_b_ptr, len_a, len_b, num_rows, num_segs, force, force_ptr,
                    BLOCK_R: tl.constexpr, FORCE_AT: tl.constexpr, HAS_LAST: tl.constexpr,
-                   HAS_COPIES: tl.constexpr):  # fmt: skip
+                   HAS_COPIES: tl.constexpr):
     s = tl.program_id(0)
     start = tl.load(starts_ptr + s)
     end = tl.load(starts_ptr + s + 1, mask=s + 1 < num_segs, other=num_rows)
@@ -75,25 +75,25 @@ def accept_drafts(
     check(sampled.dtype == draft_next.dtype == seg_starts.dtype == torch.long, "int64 inputs")
     check(sampled.shape == draft_next.shape and sampled.dim() == 1, "sampled, draft_next: (R,)")
     check(sampled.is_contiguous() and draft_next.is_contiguous() and seg_starts.is_contiguous(),
-          "contiguous inputs")  # fmt: skip
+          "contiguous inputs")
     num_segs = seg_starts.shape[0]
     at = isinstance(force, torch.Tensor)
     check(not at or (force.shape == (1,) and force.dtype == torch.long), "force: (1,) int64")
     accepted = out if out is not None else torch.empty(num_segs, dtype=torch.long,
-                                                       device=sampled.device)  # fmt: skip
+                                                       device=sampled.device)
     check(accepted.shape == (num_segs,) and accepted.dtype == torch.long, "out: (S,) int64")
     check(last is None or (last.shape == (num_segs,) and last.dtype == torch.long
-                           and last.is_contiguous()), "last: (S,) int64")  # fmt: skip
+                           and last.is_contiguous()), "last: (S,) int64")
     a, b = copies if copies is not None else (accepted, accepted)
     check(copies is None or all(c.dtype == torch.long and c.dim() == 1 and c.is_contiguous()
-                                for c in copies), "copies: 1-D int64")  # fmt: skip
+                                for c in copies), "copies: 1-D int64")
     if num_segs:
         _accept_kernel[(num_segs,)](
             sampled, draft_next, seg_starts, accepted, accepted if last is None else last, a, b,
             len(a), len(b), sampled.shape[0], num_segs, -1 if force is None or at else force,
             force if at else accepted, BLOCK_R=next_pow2(max(max_rows, 2)), FORCE_AT=at,
             HAS_LAST=last is not None, HAS_COPIES=copies is not None,
-        )  # fmt: skip
+        )
     return accepted
 
 
@@ -118,7 +118,7 @@ def accept_drafts_ref(
             force = torch.tensor([force], device=sampled.device)
         stop = torch.where(draft_next < 0, rows, num_rows)  # the last row of each sequence
         forced = torch.minimum(first.scatter_reduce(0, seg_ids, stop, "amin") - seg_starts,
-                               force)  # fmt: skip
+                               force)
         accepted = torch.where(force >= 0, forced, accepted)
         take = (force >= 0) & (rows - seg_starts[seg_ids] < accepted[seg_ids])
         sampled.copy_(torch.where(take, draft_next, sampled))

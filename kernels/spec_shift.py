@@ -33,7 +33,7 @@ _UNSPECIALIZED = (
     "tok_ptr", "seq_ptr", "j_ptr", "row_ptr", "num_ptr", "logit_ptr", "n", "acc_ptr",
     "sampled_ptr", "seg_ptr", "drafts_ptr", "k", "ids_ptr", "pos_ptr", "slots_ptr", "ctx_ptr",
     "tables_ptr", "stride_table", "draft_next_ptr",
-)  # fmt: skip
+)
 
 
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
@@ -43,7 +43,7 @@ def _shift_kernel(
     ids_ptr, pos_ptr, slots_ptr, ctx_ptr, tables_ptr, stride_table, block_size, draft_next_ptr,
     HAS_ACC: tl.constexpr, FIX_INPUTS: tl.constexpr, FIX_DRAFTS: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = e < n
     seq = tl.load(seq_ptr + e, mask=mask, other=0)
@@ -73,13 +73,13 @@ def _shift_kernel(
 
 
 def spec_shift(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | None,
-               block_size: int, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+               block_size: int, draft_next: torch.Tensor | None = None) -> None:
     accepted, sampled, seg_dev, drafts = prev
     n = shift[0].shape[0]
     check(all(t.shape == (n,) and t.dtype == torch.long and t.is_contiguous() for t in shift),
-          "shift: six contiguous (n,) int64 tensors")  # fmt: skip
+          "shift: six contiguous (n,) int64 tensors")
     check(drafts.dim() == 2 and drafts.stride(1) == 1 and drafts.dtype == torch.long,
-          "drafts: (S, k) int64, rows contiguous")  # fmt: skip
+          "drafts: (S, k) int64, rows contiguous")
     check(drafts.stride(0) == drafts.shape[1], "drafts: contiguous rows")
     for t in (sampled, seg_dev) + ((accepted,) if accepted is not None else ()):
         check(t.dtype == torch.long and t.is_contiguous(), "prev's outputs: contiguous int64")
@@ -90,7 +90,7 @@ def spec_shift(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | Non
             check(t.dtype == torch.long and t.is_contiguous(), "ids, positions, slots: int64")
         check(ctx.dtype == torch.int32 and ctx.is_contiguous(), "ctx: contiguous int32")
         check(tables.dtype == torch.int32 and tables.dim() == 2 and tables.stride(1) == 1,
-              "tables: (B, W) int32")  # fmt: skip
+              "tables: (B, W) int32")
     if draft_next is not None:
         check(draft_next.dtype == torch.long and draft_next.is_contiguous(), "draft_next: int64")
     if n == 0 or not (fix_inputs or draft_next is not None):
@@ -103,11 +103,11 @@ def spec_shift(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | Non
         draft_next if draft_next is not None else dummy,
         HAS_ACC=accepted is not None, FIX_INPUTS=fix_inputs, FIX_DRAFTS=draft_next is not None,
         BLOCK=_BLOCK,
-    )  # fmt: skip
+    )
 
 
 def spec_shift_ref(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | None,
-                   block_size: int, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+                   block_size: int, draft_next: torch.Tensor | None = None) -> None:
     """The same in torch ops (no host sync)."""
     tok, seq, j, row, num, logit = shift
     accepted, sampled, seg_dev, drafts = prev
@@ -126,7 +126,7 @@ def spec_shift_ref(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple |
 
 
 def shift_inputs(shift: tuple[torch.Tensor, ...], prev: tuple, inputs: tuple | None,
-                 block_size: int, draft_next: torch.Tensor | None = None) -> None:  # fmt: skip
+                 block_size: int, draft_next: torch.Tensor | None = None) -> None:
     """`spec_shift` on a CUDA device, `spec_shift_ref` elsewhere (the CPU runs no compiled
     Triton)."""
     fn = spec_shift if shift[0].is_cuda else spec_shift_ref

@@ -12,7 +12,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory) -> str:
-    from tinyserve.gguf import default_model_path
+    from tinyserve.model.gguf import default_model_path
 
     if "TINYSERVE_CACHE_DIR" not in os.environ:  # reuse the user's cache when it exists
         default = os.path.expanduser("~/.cache/tinyserve")

@@ -11,8 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(tmp_path, *args: str) -> dict:
-    subprocess.run([sys.executable, "bench.py", *args, "--out", str(tmp_path)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "bench.py", *args, "--out", str(tmp_path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (name,) = os.listdir(tmp_path)
     with open(tmp_path / name) as f:
         return json.load(f)
@@ -42,8 +47,17 @@ def test_prefix_long_context_alone(tmp_path):
     beside them, which then decodes beside them), with its ITL and TTFT ratios. "Without" is
     a control run: the same streams over the same steps, no long prompt (their contexts grow
     meanwhile, so the steps before the prompt are not the baseline)."""
-    res = run_bench(tmp_path, "prefix", "--small", "--repeats", "0", "--long-budget", "256",
-                    "--long-len", "1536")  # fmt: skip
+    res = run_bench(
+        tmp_path,
+        "prefix",
+        "--small",
+        "--repeats",
+        "0",
+        "--long-budget",
+        "256",
+        "--long-len",
+        "1536",
+    )
     (row,) = res["rows"]
     assert row["workload"] == "long_context" and row["steps_during"] > 1
     assert row["long_prompt"] == 1536
@@ -52,27 +66,41 @@ def test_prefix_long_context_alone(tmp_path):
     assert row["prefill_lane_tokens"] == 0  # off by default on the CPU
     assert row["itl_median_ms_before"] > 0 and row["itl_median_ms_without"] > 0
     assert row["itl_p99_ratio"] == row["itl_p99_ms_during"] / row["itl_median_ms_without"]
-    assert row["itl_p99_ratio_vs_before"] == (row["itl_p99_ms_during"]
-                                              / row["itl_median_ms_before"])  # fmt: skip
+    assert row["itl_p99_ratio_vs_before"] == (
+        row["itl_p99_ms_during"] / row["itl_median_ms_before"]
+    )
     # Then the long prompt decodes beside the streams (one long row among short ones).
     assert row["itl_median_ms_beside_long_row"] > 0
-    assert row["long_row_itl_ratio"] == (row["itl_median_ms_beside_long_row"]
-                                         / row["itl_median_ms_without_beside"])  # fmt: skip
+    assert row["long_row_itl_ratio"] == (
+        row["itl_median_ms_beside_long_row"] / row["itl_median_ms_without_beside"]
+    )
 
 
 def test_prefix_long_context_on_the_prefill_lane(tmp_path):
     """--lane-tokens: the long prompt's chunks go through the lane (eagerly on the CPU): all
     of it but its admission chunk and its last token, 1,536 - 256 tokens in 384-token chunks."""
-    res = run_bench(tmp_path, "prefix", "--small", "--repeats", "0", "--long-budget", "256",
-                    "--long-len", "1536", "--lane-tokens", "384")  # fmt: skip
+    res = run_bench(
+        tmp_path,
+        "prefix",
+        "--small",
+        "--repeats",
+        "0",
+        "--long-budget",
+        "256",
+        "--long-len",
+        "1536",
+        "--lane-tokens",
+        "384",
+    )
     (row,) = res["rows"]
     assert row["prefill_lane_tokens"] == 384 and not row["prefill_lane_on_stream"]
     assert row["prefill_lane_chunks"] == 4
 
 
 def test_unknown_workload_is_refused():
-    out = subprocess.run([sys.executable, "bench.py", "nope"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "bench.py", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
@@ -127,10 +155,10 @@ def test_e2e_builds_the_engine_with_lane_tokens_and_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(bench, "measure_ceilings", lambda device: {})
     for lane_tokens, want in ((None, 0), (1024, 1024)):  # the CPU has no lane by default
-        args = argparse.Namespace(model=None, enforce_eager=False, lane_tokens=lane_tokens,
-                                  workloads=[], compare_hf=False)  # fmt: skip
+        args = argparse.Namespace(
+            model=None, enforce_eager=False, lane_tokens=lane_tokens, workloads=[], compare_hf=False
+        )
         assert bench.bench_e2e(args)["prefill_lane_tokens"] == want
-
 
 
 def test_bench_puts_its_checkout_last_on_sys_path():
@@ -144,8 +172,14 @@ def test_bench_puts_its_checkout_last_on_sys_path():
         "print(sys.path.index(sys.argv[1]) == len(sys.path) - 1, "
         "importlib.util.find_spec('kernels').origin)"
     )
-    run = subprocess.run([sys.executable, "-c", code, ROOT], cwd="/", text=True,
-                         capture_output=True, check=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", code, ROOT],
+        cwd="/",
+        text=True,
+        capture_output=True,
+        check=True,
+        timeout=120,
+    )
     last, origin = run.stdout.split()
     assert last == "True"
     try:

@@ -6,15 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyserve.layers import attention, cascade
+from tinyserve.model.layers import attention, cascade
 
 BS, HKV, HQ, D = 16, 2, 8, 64
 # (block table, context length): three sequences share 3 blocks; two share one (the block of
 # the newest token is their own); two share a first block, then diverge; one shares nothing;
 # one fits in a block.
-SEQS = [([1, 2, 3, 10], 53), ([1, 2, 3, 11, 12], 65), ([1, 2, 3, 13, 14, 15], 81),
-        ([4, 16], 20), ([4, 17], 32), ([5, 6, 18], 40), ([5, 7, 19], 35),
-        ([8, 20, 21], 40), ([9], 9)]  # fmt: skip
+SEQS = [
+    ([1, 2, 3, 10], 53),
+    ([1, 2, 3, 11, 12], 65),
+    ([1, 2, 3, 13, 14, 15], 81),
+    ([4, 16], 20),
+    ([4, 17], 32),
+    ([5, 6, 18], 40),
+    ([5, 7, 19], 35),
+    ([8, 20, 21], 40),
+    ([9], 9),
+]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -30,12 +38,15 @@ def _cache_and_metadata(seqs, query_lens, dtype):
     k_cache[~written], v_cache[~written] = float("nan"), float("nan")  # a stray read shows
     lens = [n for _, n in seqs]
     md = attention.AttentionMetadata(
-        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64), block_tables=table,
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
+        block_tables=table,
         cu_seqlens_q=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-        context_lens=torch.tensor(lens, dtype=torch.int32), query_lens_cpu=query_lens,
-        context_lens_cpu=lens, max_context_len=max(lens),
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        query_lens_cpu=query_lens,
+        context_lens_cpu=lens,
+        max_context_len=max(lens),
         is_decode_only=all(n == 1 for n in query_lens),
-    )  # fmt: skip
+    )
     q = torch.randn(sum(query_lens), HQ, D, generator=gen).to(dtype)
     return q, k_cache, v_cache, md
 

@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from tinyserve.config import (
-    ConfigNotFound,
-    EngineConfig,
-    InvalidConfig,
-    ModelConfig,
-    UnsupportedModel,
-)
+from tinyserve.config import EngineConfig, InvalidConfig
+from tinyserve.model.config import ConfigNotFound, ModelConfig, UnsupportedModel
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

@@ -23,8 +23,9 @@ PROMPTS = [
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -97,9 +98,10 @@ def test_stop_strings_stop_ids_and_n(smollm2_llm):
     assert kept.text == stopped.text + word
     tid = full.token_ids[5]
     by_id = smollm2_llm.generate(
-        [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tid]),
+        [PROMPTS[2]],
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tid]),
         use_tqdm=False,
-    )[0].outputs[0]  # fmt: skip
+    )[0].outputs[0]
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
     assert by_id.stop_reason == tid
     multi = smollm2_llm.generate(
@@ -146,8 +148,10 @@ def test_token_ids_may_come_as_numpy_or_torch_integers(smollm2_llm):
     params = SamplingParams(temperature=0, max_tokens=4)
     want = smollm2_llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
     for prompt in (np.array(ids), np.array(ids, dtype=np.int32), torch.tensor(ids)):
-        for outs in (smollm2_llm.generate([prompt], params, use_tqdm=False),
-                     smollm2_llm.generate(prompt, params, use_tqdm=False)):  # fmt: skip
+        for outs in (
+            smollm2_llm.generate([prompt], params, use_tqdm=False),
+            smollm2_llm.generate(prompt, params, use_tqdm=False),
+        ):
             assert outs[0].outputs[0].token_ids == want and outs[0].prompt_token_ids == ids
             assert all(type(t) is int for t in outs[0].prompt_token_ids)
     two = smollm2_llm.generate(np.array([ids, ids]), params, use_tqdm=False)  # a batch of rows
@@ -173,9 +177,8 @@ def test_invalid_requests_raise_typed_errors(smollm2_llm):
 def test_start_up_compiles_every_prefill_tile_one_pass_and_split(smollm2_llm, monkeypatch):
     """Each tile an eager step can take, in its one-pass and key-split variants: one left out
     would compile mid-step beside decoding streams and stall them all (1.76 s on an H100)."""
+    from tinyserve.runner import warmup
     from tinyserve.kernels.prefill_attention import prefill_tiles
-
-    from tinyserve import warmup
 
     runner, launched = smollm2_llm.engine.runner, set()
 
@@ -197,16 +200,28 @@ def test_warm_up_row_classes_take_every_matmul_variant(monkeypatch):
     the tma kernel, 132 SMs)."""
     from tinyserve.kernels import gemv_config as gc
     from tinyserve.kernels._common import next_pow2
-
-    from tinyserve.warmup import ROW_CLASSES
+    from tinyserve.runner.warmup import ROW_CLASSES
 
     monkeypatch.setattr(gc, "_has_tma", lambda: True)
     monkeypatch.setattr(gc, "num_sms", lambda device: 132)
     monkeypatch.setattr(gc, "shared_memory", lambda device: 232448)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    shapes = [(6144, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (4096, 8192),
-              (32768, 4096), (151680, 4096), (28672, 4096), (4096, 14336), (4096, 1024),
-              (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]  # fmt: skip
+    shapes = [
+        (6144, 4096),
+        (4096, 4096),
+        (22016, 4096),
+        (4096, 11008),
+        (4096, 8192),
+        (32768, 4096),
+        (151680, 4096),
+        (28672, 4096),
+        (4096, 14336),
+        (4096, 1024),
+        (1024, 2048),
+        (6144, 1024),
+        (1024, 3072),
+        (151936, 1024),
+    ]
 
     def tiles(method, m, n, k):
         if method in ("dot", "split"):
@@ -215,9 +230,16 @@ def test_warm_up_row_classes_take_every_matmul_variant(monkeypatch):
 
     def choice(m):
         methods = [(gc.gemv_method(m, n, k), n, k) for n, k in shapes]
-        return tuple((meth, gc.silu_mul_epilogue(m, n, k), next_pow2(m), tiles(meth, m, n, k),
-                      meth in ("dot", "split") and gc.x_tile(m))
-                     for meth, n, k in methods)  # fmt: skip
+        return tuple(
+            (
+                meth,
+                gc.silu_mul_epilogue(m, n, k),
+                next_pow2(m),
+                tiles(meth, m, n, k),
+                meth in ("dot", "split") and gc.x_tile(m),
+            )
+            for meth, n, k in methods
+        )
 
     warmed = {choice(m) for m in ROW_CLASSES}
     assert [m for m in range(1, 257) if choice(m) not in warmed] == []
@@ -238,7 +260,7 @@ def test_start_up_compiles_every_race_kernel_variant(smollm2_llm, monkeypatch):
 
     monkeypatch.setattr(kernel, "_race_chunk_kernel", Spy())
     monkeypatch.setattr(kernel, "_race_pick_kernel", Spy())
-    from tinyserve.warmup import compile_sampling
+    from tinyserve.runner.warmup import compile_sampling
 
     compile_sampling(smollm2_llm.engine.runner)
     chunk_launches = {flags for flags in launched if flags != (None, None)}
@@ -251,10 +273,9 @@ def test_start_up_compiles_every_decode_kernel_variant(smollm2_llm, monkeypatch,
     size's): one pass or key splits, the short split's tile, a grid of at most two waves or
     more (the early fetch), at one query a row and, with k drafts, at the verify step's k + 1;
     and the merge's tile for up to 16, 32 and 64 splits."""
+    from tinyserve.runner import warmup
     from tinyserve.kernels._common import next_pow2, num_sms
-
-    from tinyserve import warmup
-    from tinyserve.graph_shapes import SHORT_SPLIT_BLOCK_N
+    from tinyserve.runner.graph_shapes import SHORT_SPLIT_BLOCK_N
 
     runner, kernels, merges = smollm2_llm.engine.runner, set(), set()
     kv_heads = runner.model_config.num_key_value_heads
@@ -282,7 +303,7 @@ def test_start_up_runs_eager_steps_where_steps_are_eager(smollm2_llm, monkeypatc
     """`compile_start_up` runs the eager warm-up steps for speculative engines (through
     `compile_speculative`) and for engines without graphs (`enforce_eager`), not for plain
     engines whose decode steps replay graphs."""
-    from tinyserve import warmup
+    from tinyserve.runner import warmup
 
     runner, ran = smollm2_llm.engine.runner, []
     for name in ("compile_prefill_attention", "compile_decode_attention", "compile_sampling"):

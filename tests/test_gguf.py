@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 
-from tinyserve.gguf import GGUFError, convert_gguf, default_gguf_path, default_model_path
-from tinyserve.tokenizer import Tokenizer
+from tinyserve.model.gguf import GGUFError, convert_gguf, default_gguf_path, default_model_path
+from tinyserve.model.tokenizer import Tokenizer
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 16, 4, 2, 24, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -163,16 +163,16 @@ def test_default_model_path_is_atomic(tmp_path, monkeypatch):
         (Path(out_dir) / "config.json").write_text("{}")
         raise KeyboardInterrupt  # killed half-way
 
-    monkeypatch.setattr("tinyserve.gguf.convert_gguf", crash)
+    monkeypatch.setattr("tinyserve.model.gguf.convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         default_model_path()
     assert list(tmp_path.iterdir()) == []  # neither a half-written cache nor a temp dir
 
-    monkeypatch.setattr("tinyserve.gguf.convert_gguf", lambda g, out: Path(out, "ok").touch())
+    monkeypatch.setattr("tinyserve.model.gguf.convert_gguf", lambda g, out: Path(out, "ok").touch())
     path = Path(default_model_path())
     assert path == tmp_path / "SmolLM2-135M-Instruct" and [p.name for p in path.iterdir()] == ["ok"]
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
-    monkeypatch.setattr("tinyserve.gguf.convert_gguf", crash)
+    monkeypatch.setattr("tinyserve.model.gguf.convert_gguf", crash)
     assert default_model_path() == str(path)  # cached: not converted again
 
 

@@ -65,19 +65,24 @@ def test_logits_and_greedy_match_transformers(tmp_path, name):
     prompts = [[(37 * i + 11 * j) % 5000 + 100 for j in range(20 + 7 * i)] for i in range(4)]
     with torch.inference_mode():
         ref = hf(torch.tensor([prompts[0]], device="cuda")).logits[0, -1].float()
-    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1),
-                       use_tqdm=False)  # fmt: skip
+    got = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=1), use_tqdm=False
+    )
     first = got[0].outputs[0]
     ref_lp = torch.log_softmax(ref, -1)
     assert abs(first.logprobs[0][first.token_ids[0]] - ref_lp.max().item()) < 2e-3
     # Alone, the prompt decodes at batch 1: the fused gemv prologues (norm, SiLU) and the
     # rope_store_kv kernel run there, so they are checked against transformers too.
-    alone = llm.generate(prompts[1:2], SamplingParams(temperature=0, max_tokens=24),
-                         use_tqdm=False)  # fmt: skip
+    alone = llm.generate(prompts[1:2], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     for p, out in zip(prompts + prompts[1:2], got + alone):
         with torch.inference_mode():
-            want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24,
-                               min_new_tokens=24, do_sample=False, pad_token_id=0)  # fmt: skip
+            want = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.outputs[0].token_ids == want[0, len(p) :].tolist()
     llm.engine.check_invariants()
 
@@ -122,7 +127,7 @@ def test_long_row_beside_short_ones_takes_the_long_split_graphs(tmp_path):
     (padded 16: 2 GPU-filling splits) whose longest context leaves a split over LONG_SPLIT_KEYS
     takes the LONG_SPLITS graphs (short rows in one split of them), with the eager steps'
     outputs."""
-    from tinyserve.graph_shapes import LONG_SPLITS
+    from tinyserve.runner.graph_shapes import LONG_SPLITS
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=16384)
     prompts = [[(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)]
@@ -130,12 +135,17 @@ def test_long_row_beside_short_ones_takes_the_long_split_graphs(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = []
     for eager in (False, True):
-        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, enforce_eager=eager,
-                  prefill_lane_tokens=0)  # the same prompt kernels both ways  # fmt: skip
+        llm = LLM(
+            path,
+            load_format="dummy",
+            seed=0,
+            max_num_seqs=16,
+            enforce_eager=eager,
+            prefill_lane_tokens=0,
+        )  # the same prompt kernels both ways
         graphs = llm.engine.runner.graphs
         splits = spy_split_counts(graphs) if graphs is not None else set()
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                  use_tqdm=False)])  # fmt: skip
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert eager or LONG_SPLITS in splits, splits
         del llm, graphs
         torch.cuda.empty_cache()
@@ -146,7 +156,7 @@ def test_mixed_graphs_read_a_long_decode_row_in_the_long_split_count(tmp_path):
     """A prompt is chunked (mixed graphs, no lane) while 12 short sequences decode beside one
     whose context passes 9,000 keys: those mixed steps take the LONG_SPLITS graphs, with the
     eager steps' tokens (float32: eager mixed steps attend decode rows with the prefill kernel)."""
-    from tinyserve.graph_shapes import LONG_SPLITS
+    from tinyserve.runner.graph_shapes import LONG_SPLITS
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=16384)
     prompts = {f"s{i}": [(13 * i + j) % 3000 + 50 for j in range(10 + 5 * i)] for i in range(12)}
@@ -156,9 +166,17 @@ def test_mixed_graphs_read_a_long_decode_row_in_the_long_split_count(tmp_path):
     short = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)  # past the late one
 
     def run(eager: bool) -> tuple[dict, set]:
-        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=16,
-                  num_kv_blocks=2048, max_num_batched_tokens=128, enforce_eager=eager,
-                  prefill_lane_tokens=0)  # fmt: skip
+        llm = LLM(
+            path,
+            load_format="dummy",
+            dtype="float32",
+            seed=0,
+            max_num_seqs=16,
+            num_kv_blocks=2048,
+            max_num_batched_tokens=128,
+            enforce_eager=eager,
+            prefill_lane_tokens=0,
+        )
         engine, used, sent = llm.engine, set(), []
         for g in engine.runner.mixed_graphs.values():
             for key, graph in list(g.graphs.items()):
@@ -190,10 +208,10 @@ def test_shared_prefix_graphs_match_eager(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []
     for eager in (False, True):
-        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=32,
-                  enforce_eager=eager)  # fmt: skip
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                    use_tqdm=False)])  # fmt: skip
+        llm = LLM(
+            path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=32, enforce_eager=eager
+        )
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if not eager:
             assert llm.engine.runner.graphs.num_shared_replays >= 10
         llm.engine.check_invariants()
@@ -205,11 +223,18 @@ def test_shared_prefix_graphs_match_eager(tmp_path):
 def test_mixed_batches_with_shared_prefixes_match_transformers(tmp_path, monkeypatch):
     """64-token budgets interleave prompt chunks (some after prefix-cache hits) with decode
     rows in one forward, then decode steps share prefixes: greedy = transformers."""
-    import tinyserve.runner as runner_module
+    import tinyserve.runner.model_runner as runner_module
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=4, max_position_embeddings=4096)
-    llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=16,
-              max_num_batched_tokens=64, enable_prefix_caching=True)  # fmt: skip
+    llm = LLM(
+        path,
+        load_format="dummy",
+        dtype="float32",
+        seed=0,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+    )
     mixed = []
     prepare = runner_module.build_host_inputs
 
@@ -223,13 +248,19 @@ def test_mixed_batches_with_shared_prefixes_match_transformers(tmp_path, monkeyp
     hf = to_hf(llm, path, torch.float32)
     head = [(7 * j) % 4000 + 50 for j in range(200)]
     prompts = [head + [(31 * i + j) % 3000 + 60 for j in range(5 + 9 * i)] for i in range(10)]
-    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                       use_tqdm=False)  # fmt: skip
+    got = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     assert sum(mixed) >= 5 and llm.engine.runner.graphs.num_shared_replays >= 1
     for p, out in zip(prompts, got):
         with torch.inference_mode():
-            want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
-                               min_new_tokens=16, do_sample=False, pad_token_id=0)  # fmt: skip
+            want = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.outputs[0].token_ids == want[0, len(p) :].tolist()
     llm.engine.check_invariants()
 
@@ -237,21 +268,29 @@ def test_mixed_batches_with_shared_prefixes_match_transformers(tmp_path, monkeyp
 def test_speculative_decoding_is_lossless_and_verifies_in_graphs(tmp_path):
     """MTP and n-gram speculation (k = 3) give the greedy tokens of plain decoding (fp32), with
     CUDA graphs on and off; with graphs on, the verify steps replay the verify graphs."""
-    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
-                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                     max_position_embeddings=4096)  # fmt: skip
+    path = shape_dir(
+        tmp_path,
+        "mimo-7b",
+        num_hidden_layers=4,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
     base = [(7 * j) % 900 + 100 for j in range(40)]
     prompts = [base[: 10 + 3 * i] + base[:12] for i in range(10)]  # repeats for n-gram hits
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     kw = dict(load_format="dummy", dtype="float32", seed=0, max_num_seqs=16, num_kv_blocks=2048)
-    ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params,
-                                                                      use_tqdm=False)]  # fmt: skip
+    ref = [
+        o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    ]
     for method in ("mtp", "ngram"):
         for eager in (False, True):
-            llm = LLM(path, **kw, speculative_method=method, num_speculative_tokens=3,
-                      enforce_eager=eager)  # fmt: skip
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                  use_tqdm=False)]  # fmt: skip
+            llm = LLM(
+                path, **kw, speculative_method=method, num_speculative_tokens=3, enforce_eager=eager
+            )
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             assert got == ref, (method, eager)
             llm.engine.check_invariants()
             if not eager and method == "mtp":
@@ -289,8 +328,9 @@ def overlapped_and_synchronous(path, requests: dict, strict: range, graphs_ran, 
     engine's invariants hold and `graphs_ran(engine)` is true."""
     outs = []
     for overlap in (True, False):
-        llm = LLM(path, load_format="dummy", seed=0, num_kv_blocks=2048,
-                  async_scheduling=overlap, **kw)  # fmt: skip
+        llm = LLM(
+            path, load_format="dummy", seed=0, num_kv_blocks=2048, async_scheduling=overlap, **kw
+        )
         engine = llm.engine
         for i, (p, sp) in requests.items():
             engine.add_request(str(i), p, sp)
@@ -310,14 +350,23 @@ def test_overlapped_loop_has_no_hidden_sync_and_same_outputs(tmp_path, greedy_on
     the graph's own argmax and gather their inputs inside the replay."""
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=8, max_position_embeddings=4096)
     prompts = [[(11 * i + 3 * j) % 3000 + 50 for j in range(8 + 3 * i)] for i in range(8)]
-    params = [SamplingParams(temperature=0.8 if i % 2 and not greedy_only else 0, seed=i,
-                             max_tokens=40, ignore_eos=True,
-                             logprobs=1 if i == 3 and not greedy_only else None)
-              for i in range(8)]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0.8 if i % 2 and not greedy_only else 0,
+            seed=i,
+            max_tokens=40,
+            ignore_eos=True,
+            logprobs=1 if i == 3 and not greedy_only else None,
+        )
+        for i in range(8)
+    ]
     outs = overlapped_and_synchronous(
-        path, dict(enumerate(zip(prompts, params))), range(3, 30),
-        lambda engine: engine.runner.graphs.num_replays > 20, max_num_seqs=16,
-    )  # fmt: skip
+        path,
+        dict(enumerate(zip(prompts, params))),
+        range(3, 30),
+        lambda engine: engine.runner.graphs.num_replays > 20,
+        max_num_seqs=16,
+    )
     assert outs[0] == outs[1]
 
 
@@ -328,9 +377,16 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path, token_map
     verify graphs take the split count of the context (12 to ~80 keys: 1 and 4), and the one
     drafting graph of a size reads the hidden states of whichever ran. With a token map, the
     graphs draft its ids only."""
-    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
-                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                     max_position_embeddings=4096)  # fmt: skip
+    path = shape_dir(
+        tmp_path,
+        "mimo-7b",
+        num_hidden_layers=4,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
     spec = {}
     if token_map:
         hot = list(range(151_679, 0, -5))
@@ -340,9 +396,19 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path, token_map
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     seen = []
     for eager in (False, True):  # the synchronous loop: the host holds the drafts
-        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=8,
-                  num_kv_blocks=2048, speculative_method="mtp", num_speculative_tokens=3,
-                  enforce_eager=eager, async_scheduling=False, **spec)  # fmt: skip
+        llm = LLM(
+            path,
+            load_format="dummy",
+            dtype="float32",
+            seed=0,
+            max_num_seqs=8,
+            num_kv_blocks=2048,
+            speculative_method="mtp",
+            num_speculative_tokens=3,
+            enforce_eager=eager,
+            async_scheduling=False,
+            **spec,
+        )
         engine, drafts = llm.engine, []
         splits = set() if eager else spy_split_counts(engine.runner.verify_graphs)
         for i, p in enumerate(prompts):
@@ -368,11 +434,18 @@ def test_mtp_drafts_from_the_verify_graph_equal_eager_drafts(tmp_path, token_map
 def test_verify_steps_take_the_split_k_decode_kernel(tmp_path, monkeypatch):
     """Eager MTP verify steps (k = 3) attend through decode_attention with query_len 4 (split-K
     over the context), not the prefill kernel; their greedy tokens are speculation-off's."""
-    from tinyserve.layers import attention as layer
+    from tinyserve.model.layers import attention as layer
 
-    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
-                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                     max_position_embeddings=4096)  # fmt: skip
+    path = shape_dir(
+        tmp_path,
+        "mimo-7b",
+        num_hidden_layers=4,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
     query_lens = []
     real = layer.decode_attention
 
@@ -385,8 +458,15 @@ def test_verify_steps_take_the_split_k_decode_kernel(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []
     for spec in ({}, {"speculative_method": "mtp", "num_speculative_tokens": 3}):
-        llm = LLM(path, load_format="dummy", dtype="float32", seed=0, max_num_seqs=4,
-                  enforce_eager=True, **spec)  # fmt: skip
+        llm = LLM(
+            path,
+            load_format="dummy",
+            dtype="float32",
+            seed=0,
+            max_num_seqs=4,
+            enforce_eager=True,
+            **spec,
+        )
         outs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
         del llm
         gc.collect()
@@ -403,17 +483,29 @@ def test_overlapped_mtp_loop_has_no_hidden_sync_and_same_outputs(tmp_path, force
     acceptance: every step moves positions and counters). Sampled rows read the accepted
     counts of the step in flight after their own verify replay: those counts must not sit in
     memory the replay reuses (free acceptance diverged at the second verify step)."""
-    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=4, hidden_size=1024,
-                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                     max_position_embeddings=4096)  # fmt: skip
+    path = shape_dir(
+        tmp_path,
+        "mimo-7b",
+        num_hidden_layers=4,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
     prompts = [[(13 * i + 5 * j) % 900 + 100 for j in range(12 + 5 * i)] for i in range(6)]
     params = SamplingParams(temperature=temperature, seed=7, max_tokens=60, ignore_eos=True)
     outs = overlapped_and_synchronous(
-        path, {i: (p, params) for i, p in enumerate(prompts)}, range(3, 10),
-        lambda engine: engine.runner.verify_graphs.num_replays > 8, dtype="float32",
-        max_num_seqs=8, speculative_method="mtp", num_speculative_tokens=3,
+        path,
+        {i: (p, params) for i, p in enumerate(prompts)},
+        range(3, 10),
+        lambda engine: engine.runner.verify_graphs.num_replays > 8,
+        dtype="float32",
+        max_num_seqs=8,
+        speculative_method="mtp",
+        num_speculative_tokens=3,
         spec_force_accept=force,
-    )  # fmt: skip
+    )
     if force is None:
         assert outs[0] == outs[1]
     else:  # the overlapped loop drafts less in the last steps (a step in flight may accept)
@@ -427,14 +519,28 @@ def test_mtp_steps_after_start_up_compile_no_kernel(tmp_path, force):
     `test_steps_after_start_up_compile_no_kernel` covers plain steps on short prompts. The
     thirty-fifth session's `bench.py spec` saw one ~1.2 s stall at MTP batch 2; this test then
     found 28 variants compiled mid-run (eager drafting, accept and shift kernels, decode tiles),
-    which `tinyserve.warmup` and unspecialized step sizes removed (BENCHMARKS.md)."""
+    which `tinyserve.runner.warmup` and unspecialized step sizes removed (BENCHMARKS.md)."""
     from triton import knobs
 
-    path = shape_dir(tmp_path, "mimo-7b", num_hidden_layers=2, hidden_size=1024,
-                     intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                     max_position_embeddings=4096)  # fmt: skip
-    llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, speculative_method="mtp",
-              num_speculative_tokens=1, spec_force_accept=force)  # fmt: skip
+    path = shape_dir(
+        tmp_path,
+        "mimo-7b",
+        num_hidden_layers=2,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
+    llm = LLM(
+        path,
+        load_format="dummy",
+        seed=0,
+        max_num_seqs=16,
+        speculative_method="mtp",
+        num_speculative_tokens=1,
+        spec_force_accept=force,
+    )
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
         (kw["fn"].name, kw["compile"]["constants"])
@@ -445,8 +551,10 @@ def test_mtp_steps_after_start_up_compile_no_kernel(tmp_path, force):
             SamplingParams(temperature=0.8, seed=3, max_tokens=240, ignore_eos=True),
         ]
         for batch in (1, 2, 5, 9):
-            prompts = [[(7 * i + 3 * j) % 900 + 100 for j in range(32 + 9 * i)] + [batch]
-                       for i in range(batch)]  # fmt: skip
+            prompts = [
+                [(7 * i + 3 * j) % 900 + 100 for j in range(32 + 9 * i)] + [batch]
+                for i in range(batch)
+            ]
             llm.generate(prompts, [kinds[i % 2] for i in range(batch)], use_tqdm=False)
     finally:
         knobs.runtime.jit_post_compile_hook = None
@@ -459,7 +567,7 @@ def test_lm_head_writes_float32_accumulators(monkeypatch):
     older torch (the fallback) rounds them to bf16 first, as HF's logits.float() does."""
     import torch.nn.functional as F
 
-    from tinyserve.layers import embedding
+    from tinyserve.model.layers import embedding
 
     torch.manual_seed(0)
     head = embedding.LMHead(151936, 1024).cuda().to(torch.bfloat16)
@@ -483,8 +591,10 @@ def test_pdl_on_off_identical(tmp_path, monkeypatch):
     for flag in ("1", "0"):
         monkeypatch.setenv("TINYSERVE_PDL", flag)
         llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16, num_kv_blocks=512)
-        runs = [llm.generate(prompts[:1], params, use_tqdm=False), llm.generate(prompts, params,
-                use_tqdm=False)]  # fmt: skip
+        runs = [
+            llm.generate(prompts[:1], params, use_tqdm=False),
+            llm.generate(prompts, params, use_tqdm=False),
+        ]
         outs.append([o.outputs[0].token_ids for run in runs for o in run])
         del llm
         gc.collect()
@@ -498,13 +608,14 @@ def test_split_k_sums_in_the_norms_change_no_bit(tmp_path, monkeypatch):
     follows a cuBLAS gate_up and its own SiLU (`Linear.gated`): greedy tokens and logprobs equal
     those of summing them in the projections (decode steps of 96, then 48 rows, in graphs)."""
     from tinyserve.kernels.gemv import SplitSum
-
-    from tinyserve.layers.linear import Linear
+    from tinyserve.model.layers.linear import Linear
 
     path = shape_dir(tmp_path, "llama-3.1-8b", num_hidden_layers=2, max_position_embeddings=4096)
     prompts = [[(29 * i + 7 * j) % 20000 + 100 for j in range(3 + i % 5)] for i in range(96)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + 6 * (i % 2), logprobs=2,
-                             ignore_eos=True) for i in range(96)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=6 + 6 * (i % 2), logprobs=2, ignore_eos=True)
+        for i in range(96)
+    ]
     deferred, gated = [], []
     split_gated = Linear.gated
     unreduced = Linear.unreduced
@@ -544,8 +655,14 @@ def test_prefill_lane_on_its_stream_gives_the_steps_outputs(tmp_path):
     short = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     outs = []
     for lane_tokens in (2048, 0):
-        llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=16,
-                  max_num_batched_tokens=512, prefill_lane_tokens=lane_tokens)  # fmt: skip
+        llm = LLM(
+            path,
+            load_format="dummy",
+            seed=0,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            prefill_lane_tokens=lane_tokens,
+        )
         engine, lane = llm.engine, llm.engine.runner.lane
         assert (lane is not None and lane.graph is not None) == bool(lane_tokens)
         for i, p in enumerate(prompts):
@@ -592,18 +709,32 @@ def test_steps_after_start_up_compile_no_kernel(tmp_path, eager):
     from triton import knobs
 
     path = shape_dir(tmp_path, "qwen3-0.6b", num_hidden_layers=2)
-    llm = LLM(path, load_format="dummy", seed=0, max_num_seqs=128, max_num_batched_tokens=2048,
-              enforce_eager=eager)  # fmt: skip
+    llm = LLM(
+        path,
+        load_format="dummy",
+        seed=0,
+        max_num_seqs=128,
+        max_num_batched_tokens=2048,
+        enforce_eager=eager,
+    )
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(
         (kw["fn"].name, kw["compile"]["constants"])
     )
     try:
         head = [(5 * j) % 3000 + 50 for j in range(100)]
-        kinds = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                 SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=6, ignore_eos=True),
-                 SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.1, max_tokens=6,
-                                ignore_eos=True, logprobs=3)]  # fmt: skip
+        kinds = [
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=6, ignore_eos=True),
+            SamplingParams(
+                temperature=1.0,
+                top_k=20,
+                repetition_penalty=1.1,
+                max_tokens=6,
+                ignore_eos=True,
+                logprobs=3,
+            ),
+        ]
         for batch in (1, 2, 3, 5, 9, 17, 33, 70, 120):
             prompts = [head[: 20 + (7 * i) % 80] + [i + 7, batch] for i in range(batch)]
             llm.generate(prompts, [kinds[i % 3] for i in range(batch)], use_tqdm=False)

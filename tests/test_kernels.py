@@ -145,8 +145,17 @@ def test_decode_attention_verify_rows(dtype, case, query_len):
     q = randn(3 * query_len, num_heads, head_dim, dtype=dtype)
     cu = torch.arange(0, 3 * query_len + 1, query_len, dtype=torch.int32, device=DEVICE)
     out = poisoned(q)
-    decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, out, num_splits=num_splits,
-                     query_len=query_len)  # fmt: skip
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        context_lens,
+        0.125,
+        out,
+        num_splits=num_splits,
+        query_len=query_len,
+    )
     want = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.125)
     assert_rel(out, want, dtype)
 
@@ -163,12 +172,31 @@ def test_decode_attention_long_row_beside_short_ones(query_len, min_split_len):
     cu = torch.arange(0, 4 * query_len + 1, query_len, dtype=torch.int32, device=DEVICE)
     want = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.125)
     out = poisoned(q)
-    decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, out, num_splits=16,
-                     min_split_len=min_split_len, query_len=query_len)  # fmt: skip
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        context_lens,
+        0.125,
+        out,
+        num_splits=16,
+        min_split_len=min_split_len,
+        query_len=query_len,
+    )
     assert_rel(out, want, F32)
     with pytest.raises(ValueError, match="multiple of the key tile"):
-        decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, num_splits=16,
-                         min_split_len=24, query_len=query_len)  # fmt: skip
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            context_lens,
+            0.125,
+            num_splits=16,
+            min_split_len=24,
+            query_len=query_len,
+        )
 
 
 @pytest.mark.parametrize("min_split_len", [0, 64])
@@ -192,8 +220,17 @@ def test_decode_attention_split_floor_leaves_short_rows_one_split(monkeypatch, m
     q = randn(2, 4, 64)
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     # 16-key tiles on both devices (the GPU's default is 64: 5 splits hold keys either way)
-    out = decode_attention(q, k_cache, v_cache, table, context_lens, 0.125, num_splits=16,
-                           block_n=16, min_split_len=min_split_len)  # fmt: skip
+    out = decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        context_lens,
+        0.125,
+        num_splits=16,
+        block_n=16,
+        min_split_len=min_split_len,
+    )
     monkeypatch.undo()
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table, context_lens, 0.125), F32)
     (part,) = parts
@@ -204,8 +241,14 @@ def test_decode_attention_split_floor_leaves_short_rows_one_split(monkeypatch, m
 def shared_prefix_case(num_heads, num_kv_heads, head_dim, block_size, dtype):
     """Six rows: rows 0, 1, 3 share their first 2 blocks (two chunks of one group), rows 2, 4
     their first block, row 5 nothing; plus an unused chunk. Returns the inputs and the chunks."""
-    lens = [4 * block_size + 6, 2 * block_size + 5, 3 * block_size + 2, 4 * block_size,
-            block_size + 3, 7]  # fmt: skip
+    lens = [
+        4 * block_size + 6,
+        2 * block_size + 5,
+        3 * block_size + 2,
+        4 * block_size,
+        block_size + 3,
+        7,
+    ]
     k_cache, v_cache, table, context_lens = paged_cache(
         6, lens, num_kv_heads, head_dim, block_size, dtype
     )
@@ -231,9 +274,19 @@ def test_decode_attention_shared_prefix(dtype, case):
     ref = decode_attention_ref(q, k_cache, v_cache, table, lens, 0.125)
     for shared_splits in (1, 3):
         out = poisoned(q)
-        decode_attention(q, k_cache, v_cache, table, lens, 0.125, out, num_splits=num_splits,
-                         shared_chunks=chunks, shared_lens=skip,
-                         shared_splits=shared_splits)  # fmt: skip
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            lens,
+            0.125,
+            out,
+            num_splits=num_splits,
+            shared_chunks=chunks,
+            shared_lens=skip,
+            shared_splits=shared_splits,
+        )
         assert_rel(out, ref, dtype)
 
 
@@ -250,29 +303,43 @@ def test_decode_attention_shared_prefix_reads_only_the_leaders_prefix():
     members[1, :2] = members[3, :2] = fresh[:2]
     members[4, :1] = fresh[2:]
     out = poisoned(q)
-    decode_attention(q, k_cache, v_cache, members, lens, 0.125, out, num_splits=2,
-                     shared_chunks=chunks, shared_lens=skip)  # fmt: skip
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        members,
+        lens,
+        0.125,
+        out,
+        num_splits=2,
+        shared_chunks=chunks,
+        shared_lens=skip,
+    )
     assert_rel(out, ref, F32)
 
 
 def test_plan_shared_prefixes_groups_rows_by_their_first_block():
     import numpy as np
 
-    from tinyserve.graphs import plan_shared_prefixes
+    from tinyserve.runner.graphs import plan_shared_prefixes
 
     bs = 16
-    tables = np.array([
-        [7, 8, 9, 10, 30],   # leader of group 7: 3 blocks shared by all its members
-        [5, 40, 0, 0, 0],    # group 5: one block in common only (< 128 tokens): not kept
-        [7, 8, 9, 11, 0],
-        [5, 41, 0, 0, 0],
-        [3, 50, 0, 0, 0],    # alone
-        [7, 8, 9, 10, 12],   # 4 blocks in common with the leader: the group takes the fewest
-        [7, 8, 9, 10, 0],    # its 4th block is the one it writes now: not shared
-    ], dtype=np.int32)  # fmt: skip
+    tables = np.array(
+        [
+            [7, 8, 9, 10, 30],  # leader of group 7: 3 blocks shared by all its members
+            [5, 40, 0, 0, 0],  # group 5: one block in common only (< 128 tokens): not kept
+            [7, 8, 9, 11, 0],
+            [5, 41, 0, 0, 0],
+            [3, 50, 0, 0, 0],  # alone
+            [7, 8, 9, 10, 12],  # 4 blocks in common with the leader: the group takes the fewest
+            [7, 8, 9, 10, 0],  # its 4th block is the one it writes now: not shared
+        ],
+        dtype=np.int32,
+    )
     ctx = np.array([5 * bs, 30, 4 * bs - 3, 20, 20, 5 * bs, 3 * bs + 1], dtype=np.int32)
-    chunks, lens = plan_shared_prefixes(tables, ctx, bs, rows_per_chunk=3, max_chunks=8,
-                                        min_tokens=3 * bs)  # fmt: skip
+    chunks, lens = plan_shared_prefixes(
+        tables, ctx, bs, rows_per_chunk=3, max_chunks=8, min_tokens=3 * bs
+    )
     assert lens.tolist() == [48, 0, 48, 0, 0, 48, 48]
     assert chunks.tolist() == [[0, 0, 2, 5], [0, 6, -1, -1]]
     # no room for the group's two chunks: nothing to share
@@ -290,13 +357,14 @@ def test_plan_shared_prefixes_sees_past_a_common_header():
     under the minimum and share nothing)."""
     import numpy as np
 
-    from tinyserve.graphs import plan_shared_prefixes
+    from tinyserve.runner.graphs import plan_shared_prefixes
 
     header, a, b = [3], [10, 11, 12, 13], [20, 21, 22, 23]
     tables = np.array([header + (a if i % 2 else b) + [100 + i] for i in range(8)], np.int32)
     ctx = np.full(8, 5 * 16 + 4, dtype=np.int32)
-    chunks, lens = plan_shared_prefixes(tables, ctx, 16, rows_per_chunk=4, max_chunks=4,
-                                        min_tokens=64)  # fmt: skip
+    chunks, lens = plan_shared_prefixes(
+        tables, ctx, 16, rows_per_chunk=4, max_chunks=4, min_tokens=64
+    )
     assert lens.tolist() == [80] * 8
     assert sorted(c[1:].tolist() for c in chunks) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
@@ -306,10 +374,10 @@ def test_a_plan_of_pool_tables_gives_the_plain_attention():
     sequences), planned and attended by the cascade kernel = the reference."""
     import numpy as np
 
-    from tinyserve.block_pool import BlockPool
-    from tinyserve.graphs import plan_shared_prefixes
+    from tinyserve.core.block_pool import BlockPool
+    from tinyserve.core.sequence import Sequence
+    from tinyserve.runner.graphs import plan_shared_prefixes
     from tinyserve.sampling_params import SamplingParams
-    from tinyserve.sequence import Sequence
 
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     pool = BlockPool(64, bs, enable_prefix_caching=True)
@@ -336,9 +404,17 @@ def test_a_plan_of_pool_tables_gives_the_plain_attention():
     table_t = torch.from_numpy(tables).to(DEVICE)
     lens_t = torch.from_numpy(ctx).to(DEVICE)
     out = poisoned(q)
-    decode_attention(q, k_cache, v_cache, table_t, lens_t, 0.2, out,
-                     shared_chunks=torch.from_numpy(chunks).to(DEVICE),
-                     shared_lens=torch.from_numpy(lens).to(DEVICE))  # fmt: skip
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table_t,
+        lens_t,
+        0.2,
+        out,
+        shared_chunks=torch.from_numpy(chunks).to(DEVICE),
+        shared_lens=torch.from_numpy(lens).to(DEVICE),
+    )
     assert_rel(out, decode_attention_ref(q, k_cache, v_cache, table_t, lens_t, 0.2), F32)
 
 
@@ -373,8 +449,18 @@ def test_prefill_attention_key_splits(dtype, num_splits):
     cu = torch.tensor([0, 1, 41, 44, 50], dtype=torch.int32, device=DEVICE)
     q = randn(52, 8, 64, dtype=dtype)  # two rows past cu[-1]
     out = poisoned(q)
-    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, max(query_lens), 0.1, out,
-                      num_splits=num_splits)  # fmt: skip
+    prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        cu,
+        context_lens,
+        max(query_lens),
+        0.1,
+        out,
+        num_splits=num_splits,
+    )
     ref = prefill_attention_ref(q[:50], k_cache, v_cache, table, cu, context_lens, 0.1)
     assert_rel(out[:50], ref, dtype)
     assert torch.equal(out[50:], torch.zeros_like(out[50:]))
@@ -426,9 +512,9 @@ def test_prefill_tiles_lists_every_tile_a_launch_can_take(monkeypatch):
 
 def test_attention_match_layer_references():
     """The kernels' oracles and the layers' torch path agree (same head mapping, same mask)."""
-    from tinyserve.layers.attention import AttentionMetadata
-    from tinyserve.layers.attention import decode_attention_ref as layer_decode
-    from tinyserve.layers.attention import prefill_attention_ref as layer_prefill
+    from tinyserve.model.layers.attention import AttentionMetadata
+    from tinyserve.model.layers.attention import decode_attention_ref as layer_decode
+    from tinyserve.model.layers.attention import prefill_attention_ref as layer_prefill
 
     lens, query_lens = [7, 30], [1, 12]
     k_cache, v_cache, table, context_lens = paged_cache(2, lens, 2, 64, 16, F32)
@@ -456,15 +542,17 @@ def _layer_forward_recording_decode(monkeypatch, md, positions, k_cache, v_cache
     `positions` under metadata md: (output, qkv, keyword arguments of each decode-kernel call)."""
     from types import SimpleNamespace
 
-    from tinyserve.layers import attention as layer
+    from tinyserve.model.layers import attention as layer
 
-    rope = SimpleNamespace(positions=torch.tensor(positions, device=DEVICE),
-                           cos_sin_cache=randn(128, 64))  # fmt: skip
+    rope = SimpleNamespace(
+        positions=torch.tensor(positions, device=DEVICE), cos_sin_cache=randn(128, 64)
+    )
     attn = layer.Attention(num_heads=8, head_dim=64, scale=0.1, num_kv_heads=2)
     attn.k_cache, attn.v_cache = k_cache, v_cache
     calls, kernel = [], layer.decode_attention
-    monkeypatch.setattr(layer, "decode_attention",
-                        lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        layer, "decode_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw)
+    )
     qkv = randn(len(positions), (8 + 2 * 2) * 64)
     with layer.forward_context(md):
         out = attn._forward_triton(qkv, rope, None, None)
@@ -476,13 +564,14 @@ def test_attention_layer_hands_the_step_split_plan_to_the_kernel(monkeypatch):
     decode_tiling, in the metadata) reach the Triton decode kernel through the layer, with the
     oracle's output."""
 
-    from tinyserve.layers import attention as layer
+    from tinyserve.model.layers import attention as layer
 
     lens, block_size = [40, 70], 16
     k_cache, v_cache, table, context_lens = paged_cache(2, lens, 2, 64, block_size, F32)
     last = [n - 1 for n in lens]
-    slots = [int(table[b, p // block_size]) * block_size + p % block_size
-             for b, p in enumerate(last)]  # fmt: skip
+    slots = [
+        int(table[b, p // block_size]) * block_size + p % block_size for b, p in enumerate(last)
+    ]
     md = layer.AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         block_tables=table,
@@ -507,14 +596,15 @@ def test_mixed_step_hands_the_decode_rows_split_plan_to_the_kernel(monkeypatch):
     """A mixed step (decode rows, then one prompt chunk): the decode rows' split count, key
     tile and split floor reach the decode kernel, and the outputs are the oracle's."""
 
-    from tinyserve.layers import attention as layer
+    from tinyserve.model.layers import attention as layer
 
     lens, block_size, chunk = [40, 70, 20], 16, 3
     k_cache, v_cache, table, context_lens = paged_cache(3, lens, 2, 64, block_size, F32)
     pos = [39, 69, *range(20 - chunk, 20)]
     rows = [0, 1] + [2] * chunk
-    slots = [int(table[b, p // block_size]) * block_size + p % block_size
-             for b, p in zip(rows, pos)]  # fmt: skip
+    slots = [
+        int(table[b, p // block_size]) * block_size + p % block_size for b, p in zip(rows, pos)
+    ]
     cu = torch.tensor([0, 1, 2, 2 + chunk], dtype=torch.int32, device=DEVICE)
     md = layer.AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
@@ -584,8 +674,9 @@ def test_mtp_input(dtype, hidden_first):
     out = torch.full((6, 2 * n), float("nan"), dtype=dtype, device=DEVICE)
     res = mtp_input(hidden, ids, positions, embed, hw, tw, 1e-6, hidden_first, out=out)
     assert res is out
-    assert_elem(out, mtp_input_ref(hidden, ids, positions, embed, hw, tw, 1e-6, hidden_first),
-                dtype)  # fmt: skip
+    assert_elem(
+        out, mtp_input_ref(hidden, ids, positions, embed, hw, tw, 1e-6, hidden_first), dtype
+    )
     token_half = out[:, n:] if hidden_first else out[:, :n]
     assert (token_half[positions == 0] == 0).all() and (token_half[positions != 0] != 0).any()
 
@@ -644,8 +735,9 @@ def test_rope_store_kv(dtype, num_heads, num_kv_heads, head_dim, qk_norm):
     norms = (randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)) if qk_norm else (None,) * 2
     caches = [randn(4, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
-    q_ref = rope_store_kv_ref(qkv.clone(), positions, cache, *ref_caches, slots, num_heads,
-                              *norms, eps=1e-6)  # fmt: skip
+    q_ref = rope_store_kv_ref(
+        qkv.clone(), positions, cache, *ref_caches, slots, num_heads, *norms, eps=1e-6
+    )
     q = rope_store_kv(qkv, positions, cache, *caches, slots.int(), num_heads, *norms, eps=1e-6)
     assert q.data_ptr() == qkv.data_ptr()  # rotated in place
     # Relative to the norm: the interpreter truncates each of the 16-bit roundings.
@@ -723,9 +815,15 @@ def test_gemv_silu_mul(dtype, m, k, rows, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [3, 48])
-@pytest.mark.parametrize(("silu_mul", "bias", "out_dtype"), [
-    (False, False, None), (False, True, torch.float32), (True, False, None), (True, True, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("silu_mul", "bias", "out_dtype"),
+    [
+        (False, False, None),
+        (False, True, torch.float32),
+        (True, False, None),
+        (True, True, None),
+    ],
+)
 def test_gemv_tma(dtype, m, silu_mul, bias, out_dtype):
     """The tma kernel (tensor-descriptor loads): N = 37 in 16-column programs (the last one
     partial: its gate tile runs into the up rows, which must not reach y), K = 1000 in 64-wide
@@ -830,7 +928,7 @@ def test_gated_down_projection_leaves_split_k_sums_to_the_next_norm(monkeypatch)
     """Where gate_up takes no SiLU epilogue (65-128 rows: cuBLAS) and the down projection runs
     split-K, `gated` hands the partials on unsummed, as `unreduced` does: the next norm sums
     them, with the reduce kernel's bits."""
-    from tinyserve.layers.linear import Linear
+    from tinyserve.model.layers.linear import Linear
 
     m, inter, hidden = 3, 256, 64
     down = Linear(inter, hidden).to(DEVICE, BF16)
@@ -886,10 +984,17 @@ def test_gemv_method_and_dot_config(monkeypatch):
     assert dot_config(2, 1024, 1024, torch.bfloat16, h100)[:2] == (128, 128)
     assert dot_config(2, 128, 1024, torch.bfloat16, h100)[:2] == (64, 128)
     assert dot_config(2, 16, 1024, torch.bfloat16, h100)[:2] == (32, 256)
-    stages = {(m, dt): dot_config(m, 1024, 1024, dt, h100)[2]
-              for m in (2, 32) for dt in (torch.bfloat16, torch.float32)}  # fmt: skip
-    assert stages == {(2, torch.bfloat16): 5, (32, torch.bfloat16): 5,
-                      (2, torch.float32): 3, (32, torch.float32): 2}  # fmt: skip
+    stages = {
+        (m, dt): dot_config(m, 1024, 1024, dt, h100)[2]
+        for m in (2, 32)
+        for dt in (torch.bfloat16, torch.float32)
+    }
+    assert stages == {
+        (2, torch.bfloat16): 5,
+        (32, torch.bfloat16): 5,
+        (2, torch.float32): 3,
+        (32, torch.float32): 2,
+    }
     # A card with 99 KB of shared memory (consumer Ada): float32 at 32 rows halves BLOCK_K.
     monkeypatch.setattr(gemv_config, "shared_memory", lambda device: 101376)
     assert dot_config(32, 1024, 1024, torch.float32, h100)[:3] == (128, 64, 2)
@@ -913,8 +1018,11 @@ def test_gemv_method_and_dot_config(monkeypatch):
     # Programs that would fit two to an SM hold more stages, so that one holds it alone (less
     # one stage: Triton's mma v2 pipeline keeps stages - 1 tiles): MiMo's attention out and
     # down at 16 rows, 128 programs of 32 x 256 (24 KB a stage); qkv, 96 of 64 x 128 (20 KB).
-    for n, k, tile in ((4096, 4096, (32, 256, 6)), (4096, 11008, (32, 256, 6)),
-                       (6144, 4096, (64, 128, 7))):  # fmt: skip
+    for n, k, tile in (
+        (4096, 4096, (32, 256, 6)),
+        (4096, 11008, (32, 256, 6)),
+        (6144, 4096, (64, 128, 7)),
+    ):
         assert dot_config(16, n, k, torch.bfloat16, h100)[:3] == tile
         assert (tile[2] - 1) * (tile[0] + 16) * tile[1] * 2 > 232448 // 2
 
@@ -933,8 +1041,13 @@ def test_gemv_norm_prologue(dtype, m, with_residual, k):
     res_out = poisoned(x) if with_residual else None
     out = poisoned(torch.empty(m, n, dtype=dtype, device=DEVICE))
     gemv(x, w, out, bias=bias, norm=(nw, 1e-6), residual=res, residual_out=res_out, block_k=128)
-    ref = gemv_ref(x.double(), w.double(), bias=bias.double(), norm=(nw.double(), 1e-6),
-                   residual=None if res is None else res.double())  # fmt: skip
+    ref = gemv_ref(
+        x.double(),
+        w.double(),
+        bias=bias.double(),
+        norm=(nw.double(), 1e-6),
+        residual=None if res is None else res.double(),
+    )
     assert_rel(out, ref, dtype)
     if with_residual and INTERP:  # the interpreter truncates fp32 -> bf16 casts
         assert_elem(res_out, x + res, dtype)
@@ -1083,8 +1196,9 @@ def test_accept_drafts_matches_ref(force):
     rows = int(lengths.sum())
     starts = torch.cumsum(lengths, 0) - lengths
     sampled = torch.randint(0, 4, (rows,), generator=g)
-    draft_next = torch.where(torch.rand(rows, generator=g) < 0.7, sampled,
-                             torch.randint(0, 4, (rows,), generator=g))  # fmt: skip
+    draft_next = torch.where(
+        torch.rand(rows, generator=g) < 0.7, sampled, torch.randint(0, 4, (rows,), generator=g)
+    )
     draft_next[starts + lengths - 1] = -1  # a segment's last row proposes nothing
     out, ref = sampled.clone().to(DEVICE), sampled.clone().to(DEVICE)
     dn, st = draft_next.to(DEVICE), starts.to(DEVICE)
@@ -1109,24 +1223,41 @@ def test_spec_shift_matches_ref(with_accepted, part):
     drafts = torch.randint(0, 1000, (num_prev, k), generator=g)
     follows = torch.randperm(num_prev, generator=g)[:7].tolist()  # this step's 7 rows
     nums = [1 + (k if i % 3 else i % k) for i in range(7)]  # tokens per row: 1 + drafts
-    entries = [(sum(nums[:r]) + j, s, j, r, nums[r] - 1, sum(nums[:r]) + j)
-               for r, s in enumerate(follows) for j in range(nums[r])]  # fmt: skip
+    entries = [
+        (sum(nums[:r]) + j, s, j, r, nums[r] - 1, sum(nums[:r]) + j)
+        for r, s in enumerate(follows)
+        for j in range(nums[r])
+    ]
     shift = tuple(_long(list(col)) for col in zip(*entries))
     tokens = sum(nums)
     tables = torch.randperm(100, generator=g)[: 7 * 12].view(7, 12).to(torch.int32)
     ctx = torch.tensor([30 + 2 * r for r in range(7)], dtype=torch.int32)
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx.tolist(), nums)])
-    state = {"ids": torch.zeros(tokens, dtype=torch.long), "positions": positions,
-             "slots": torch.full((tokens,), -7), "ctx": ctx, "tables": tables,
-             "draft_next": torch.full((tokens,), -5)}  # fmt: skip
+    state = {
+        "ids": torch.zeros(tokens, dtype=torch.long),
+        "positions": positions,
+        "slots": torch.full((tokens,), -7),
+        "ctx": ctx,
+        "tables": tables,
+        "draft_next": torch.full((tokens,), -5),
+    }
     outs = []
     for fn in (spec_shift, spec_shift_ref):
         st = {name: v.clone().to(DEVICE) for name, v in state.items()}
         inputs = tuple(st[n] for n in ("ids", "positions", "slots", "ctx", "tables"))
-        prev = (accepted.to(DEVICE) if with_accepted else None, sampled.to(DEVICE),
-                seg_dev.to(DEVICE), drafts.to(DEVICE))  # fmt: skip
-        fn(shift, prev, None if part == "drafts" else inputs, block_size,
-           None if part == "inputs" else st["draft_next"])  # fmt: skip
+        prev = (
+            accepted.to(DEVICE) if with_accepted else None,
+            sampled.to(DEVICE),
+            seg_dev.to(DEVICE),
+            drafts.to(DEVICE),
+        )
+        fn(
+            shift,
+            prev,
+            None if part == "drafts" else inputs,
+            block_size,
+            None if part == "inputs" else st["draft_next"],
+        )
         outs.append(st)
     for name in state:
         assert torch.equal(outs[0][name], outs[1][name]), name
@@ -1158,8 +1289,8 @@ def test_gemv_prologue_rejects_bad_inputs():
 
 
 def test_counter_uniform_stream_is_the_samplers():
-    from tinyserve.sampling import counter_key
-    from tinyserve.sampling import counter_uniform as torch_uniform
+    from tinyserve.sample.sampler import counter_key
+    from tinyserve.sample.sampler import counter_uniform as torch_uniform
 
     seeds = torch.tensor([0, -1, 2**62 + 12345, -(2**63), 77], device=DEVICE)
     keys = counter_key(seeds, torch.tensor([0, 1, 5, 1000, 3], device=DEVICE))
@@ -1168,7 +1299,7 @@ def test_counter_uniform_stream_is_the_samplers():
 
 @pytest.mark.parametrize("num_chunks", [None, 1, 3])
 def test_sample_race_matches_reference(num_chunks):
-    from tinyserve.sampling import counter_key
+    from tinyserve.sample.sampler import counter_key
 
     keys = counter_key(
         torch.randint(-(2**62), 2**62, (6,), device=DEVICE), torch.arange(6, device=DEVICE)
@@ -1277,12 +1408,16 @@ def test_argmax_rejects_bad_inputs():
 
 def test_sample_race_equals_sampler_tokens():
     """Processed logits + keys from SamplingTensors: the torch sampler's tokens exactly."""
-    from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+    from tinyserve.sample.sampler import SamplingRow, SamplingTensors, sample
     from tinyserve.sampling_params import SamplingParams
 
     temps = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9]
-    rows = [SamplingRow(SamplingParams(temperature=t, seed=i), seed=i, prompt_ids=[1],
-                        output_ids=[2] * i) for i, t in enumerate(temps)]  # fmt: skip
+    rows = [
+        SamplingRow(
+            SamplingParams(temperature=t, seed=i), seed=i, prompt_ids=[1], output_ids=[2] * i
+        )
+        for i, t in enumerate(temps)
+    ]
     tensors = SamplingTensors.build(rows, 2000, DEVICE)
     logits = randn(6, 2000, scale=3.0)
     processed = logits / tensors.temperature[:, None]
@@ -1295,18 +1430,21 @@ def test_sampler_on_gpu_draws_the_cpu_samplers_tokens(monkeypatch):
     """`sample` on CUDA takes the fused race; the CPU takes the torch ops. Same processed
     logits and keys (filters, greedy rows, seeds): the same tokens."""
     from tinyserve.kernels import sampling as kernel
-
-    from tinyserve.sampling import SamplingRow, SamplingTensors, sample
+    from tinyserve.sample.sampler import SamplingRow, SamplingTensors, sample
     from tinyserve.sampling_params import SamplingParams
 
     calls, fused = [], kernel.sample_race
     monkeypatch.setattr(kernel, "sample_race", lambda *a, **k: calls.append(1) or fused(*a, **k))
 
-    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=1.2, top_k=50, seed=2),
-              SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=3)] * 8  # fmt: skip
-    rows = [SamplingRow(p, seed=i, prompt_ids=[1], output_ids=[2] * i) for i, p in
-            enumerate(params)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, top_k=50, seed=2),
+        SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=3),
+    ] * 8
+    rows = [
+        SamplingRow(p, seed=i, prompt_ids=[1], output_ids=[2] * i) for i, p in enumerate(params)
+    ]
     logits = torch.randn(len(rows), 4099, generator=torch.Generator().manual_seed(0)) * 3
     got = sample(logits.cuda(), SamplingTensors.build(rows, 4099, "cuda")).token_ids
     assert calls == [1], "sampled rows on CUDA take the fused kernel"
@@ -1317,11 +1455,10 @@ def test_sampler_on_gpu_draws_the_cpu_samplers_tokens(monkeypatch):
 @gpu
 @pytest.mark.gpu
 def test_greedy_takes_the_kernel_at_any_batch(monkeypatch):
-    """tinyserve.sampling.greedy on CUDA: the Triton argmax at every row count (measured
+    """tinyserve.sample.sampler.greedy on CUDA: the Triton argmax at every row count (measured
     faster than torch's reduction from 1 to 256 rows on the H200), with torch's ids."""
     from tinyserve.kernels import sampling as kernel
-
-    from tinyserve.sampling import greedy
+    from tinyserve.sample.sampler import greedy
 
     calls, fused = [], kernel.argmax
     monkeypatch.setattr(kernel, "argmax", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -1348,14 +1485,23 @@ def test_launchers_reject_bad_inputs():
     skip = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     chunks = torch.full((1, 1 + shared_prefix_rows(4, 2)), -1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="shared_chunks must be"):
-        decode_attention(q, k_cache, v_cache, table, lens, 0.1, shared_chunks=chunks[:, 1:],
-                         shared_lens=skip)  # fmt: skip
+        decode_attention(
+            q, k_cache, v_cache, table, lens, 0.1, shared_chunks=chunks[:, 1:], shared_lens=skip
+        )
     with pytest.raises(ValueError, match="shared_lens"):
         decode_attention(q, k_cache, v_cache, table, lens, 0.1, shared_chunks=chunks)
     with pytest.raises(ValueError, match="Hq / Hkv <= 64"):  # 128 query heads on one kv head
         mqa_cache = k_cache[:, :, :1].contiguous()
-        decode_attention(randn(2, 128, 64), mqa_cache, mqa_cache, table, lens, 0.1,
-                         shared_chunks=chunks, shared_lens=skip)  # fmt: skip
+        decode_attention(
+            randn(2, 128, 64),
+            mqa_cache,
+            mqa_cache,
+            table,
+            lens,
+            0.1,
+            shared_chunks=chunks,
+            shared_lens=skip,
+        )
     with pytest.raises(ValueError, match="1..64 rows"):
         gemv(randn(65, 64), randn(64, 64))  # K <= 2N: no split-K, and too many rows for dot
     with pytest.raises(ValueError, match="1..128 rows"):
@@ -1383,8 +1529,9 @@ def test_decode_attention_gpu(num_heads, block_size):
     ref = decode_attention_ref(q, k_cache, v_cache, table, context_lens, 128**-0.5)
     for splits in (None, 1, 7):
         out = poisoned(q)
-        decode_attention(q, k_cache, v_cache, table, context_lens, 128**-0.5, out,
-                         num_splits=splits)  # fmt: skip
+        decode_attention(
+            q, k_cache, v_cache, table, context_lens, 128**-0.5, out, num_splits=splits
+        )
         assert_rel(out, ref, BF16)
 
 
@@ -1395,7 +1542,7 @@ def test_shared_prefix_decode_attention_gpu(num_heads):
     """64 rows in 4 groups of 16 sharing 2,048 tokens (qwen3-0.6b / llama-8b GQA), planned."""
     import numpy as np
 
-    from tinyserve.graphs import plan_shared_prefixes
+    from tinyserve.runner.graphs import plan_shared_prefixes
 
     lens = [2048 + 1 + (37 * i) % 300 for i in range(64)]
     k_cache, v_cache, table, context_lens = paged_cache(64, lens, 8, 128, 16, BF16)
@@ -1403,14 +1550,24 @@ def test_shared_prefix_decode_attention_gpu(num_heads):
         table[i, :128] = table[i % 4, :128]
     q = randn(64, num_heads, 128, dtype=BF16)
     ref = decode_attention_ref(q, k_cache, v_cache, table, context_lens, 128**-0.5)
-    chunks, skip = plan_shared_prefixes(table.cpu().numpy(), np.array(lens), 16,
-                                        shared_prefix_rows(num_heads, 8), 32)  # fmt: skip
+    chunks, skip = plan_shared_prefixes(
+        table.cpu().numpy(), np.array(lens), 16, shared_prefix_rows(num_heads, 8), 32
+    )
     assert skip.tolist() == [2048] * 64
     for splits in (1, 2):
         out = poisoned(q)
-        decode_attention(q, k_cache, v_cache, table, context_lens, 128**-0.5, out,
-                         num_splits=splits, shared_chunks=torch.from_numpy(chunks).cuda(),
-                         shared_lens=torch.from_numpy(skip).cuda())  # fmt: skip
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            context_lens,
+            128**-0.5,
+            out,
+            num_splits=splits,
+            shared_chunks=torch.from_numpy(chunks).cuda(),
+            shared_lens=torch.from_numpy(skip).cuda(),
+        )
         assert_rel(out, ref, BF16)
 
 
@@ -1420,22 +1577,31 @@ def test_shared_prefix_decode_attention_gpu(num_heads):
 def test_prefill_attention_gpu(dtype):
     query_lens, lens = [1, 512, 37, 1000, 1, 300], [2000, 1024, 37, 3000, 5, 300]
     k_cache, v_cache, table, context_lens = paged_cache(6, lens, 8, 128, 16, dtype)
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
-                      device=DEVICE)  # fmt: skip
+    cu = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
     q = randn(sum(query_lens), 32, 128, dtype=dtype)
     out = poisoned(q)
     prefill_attention(q, k_cache, v_cache, table, cu, context_lens, 1000, 128**-0.5, out)
-    assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens,
-                                          128**-0.5), dtype)  # fmt: skip
+    assert_rel(
+        out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 128**-0.5), dtype
+    )
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape",
-    [(151936, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (4096, 4096), (22016, 4096),
-     (4096, 14336)],
-)  # fmt: skip
+    [
+        (151936, 1024),
+        (1024, 2048),
+        (1024, 3072),
+        (6144, 4096),
+        (4096, 4096),
+        (22016, 4096),
+        (4096, 14336),
+    ],
+)
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 32])
 def test_gemv_gpu(shape, m):
     """Real shapes, each row count's tuned method and tile (pipelined stream loops included:
@@ -1479,12 +1645,19 @@ def test_gemv_silu_mul_gpu(shape, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("shape", "m", "method"),
-    [(s, m, "split") for s in [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)]
-     for m in (33, 64, 100, 128)]
-    + [(s, m, "dot") for s in [(151936, 1024), (28672, 4096), (22016, 4096), (16384, 2048)]
-       for m in (33, 64)]
-    + [((4096, 4096), m, "split") for m in (33, 48, 64, 96, 128)] + [((6144, 4096), 64, "dot")],
-)  # fmt: skip
+    [
+        (s, m, "split")
+        for s in [(1024, 3072), (2048, 8192), (4096, 11008), (4096, 14336)]
+        for m in (33, 64, 100, 128)
+    ]
+    + [
+        (s, m, "dot")
+        for s in [(151936, 1024), (28672, 4096), (22016, 4096), (16384, 2048)]
+        for m in (33, 64)
+    ]
+    + [((4096, 4096), m, "split") for m in (33, 48, 64, 96, 128)]
+    + [((6144, 4096), 64, "dot")],
+)
 def test_gemv_many_rows_gpu(shape, m, method):
     """Above 32 rows: down projections (to 128 rows) take split-K, wide W (LM heads, gate_up; to
     64 rows) the dot kernel, or on Hopper the tma kernel where `_tma_pays` (MiMo-7B's gate_up);
@@ -1507,8 +1680,20 @@ def test_prefill_attention_gpu_configs(block_m, block_n, num_warps):
     cu = torch.tensor([0, 1, 701, 830], dtype=torch.int32, device=DEVICE)
     q = randn(830, 32, 128, dtype=BF16)
     out = poisoned(q)
-    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, 700, 0.1, out,
-                      block_m=block_m, block_n=block_n, num_warps=num_warps)  # fmt: skip
+    prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        cu,
+        context_lens,
+        700,
+        0.1,
+        out,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+    )
     assert_rel(out, prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 0.1), BF16)
 
 
@@ -1522,14 +1707,16 @@ def test_prefill_attention_key_splits_gpu(heads, chunk):
 
     query_lens, lens = [1] * 64 + [chunk], [600] * 64 + [32768]
     k_cache, v_cache, table, context_lens = paged_cache(65, lens, 8, 128, 16, BF16)
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
-                      device=DEVICE)  # fmt: skip
+    cu = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
     q = randn(sum(query_lens), heads, 128, dtype=BF16)
     splits = prefill_num_splits(query_lens, lens, heads, 8, q.device)
     assert splits > 1
     out = poisoned(q)
-    prefill_attention(q, k_cache, v_cache, table, cu, context_lens, chunk, 128**-0.5, out,
-                      num_splits=splits)  # fmt: skip
+    prefill_attention(
+        q, k_cache, v_cache, table, cu, context_lens, chunk, 128**-0.5, out, num_splits=splits
+    )
     ref = prefill_attention_ref(q, k_cache, v_cache, table, cu, context_lens, 128**-0.5)
     assert_rel(out, ref, BF16)
 
@@ -1561,6 +1748,7 @@ def test_prefill_attention_reads_nothing_for_zero_contexts_gpu(block_m):
     cu = torch.tensor([0, 256, 384, 1084], dtype=torch.int32, device=DEVICE)
     q = randn(1084, 16, 128, dtype=BF16)
     zero = torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    prefill_attention(q, k_cache, v_cache, table, cu, zero, 700, 128**-0.5, block_m=block_m,
-                      block_n=32)  # fmt: skip
+    prefill_attention(
+        q, k_cache, v_cache, table, cu, zero, 700, 128**-0.5, block_m=block_m, block_n=32
+    )
     torch.cuda.synchronize()  # an illegal address would raise here

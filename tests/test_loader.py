@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tinyserve.config import ModelConfig
-from tinyserve.loader import CheckpointError, CheckpointNotFound, load_model
+from tinyserve.model.config import ModelConfig
+from tinyserve.model.loader import CheckpointError, CheckpointNotFound, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,13 +163,26 @@ def mtp_tensors(layout: str, num_layers: int = 2) -> dict[str, torch.Tensor]:
     H = SIZES["hidden_size"]
     head = {"token": (H,), "hidden": (H,), "proj": (H, 2 * H), "final": (H,)}
     names = {
-        "mimo": ("model.mtp_layers.{i}.", dict(token="token_layernorm", hidden="hidden_layernorm",
-                 proj="input_proj", final="final_layernorm")),
-        "deepseek": ("model.layers.{n}.", dict(token="enorm", hidden="hnorm", proj="eh_proj",
-                     final="shared_head.norm")),
-        "qwen3_next": ("mtp.layers.{i}.", dict(token="pre_fc_norm_embedding",
-                       hidden="pre_fc_norm_hidden", proj="fc", final="norm")),
-    }[layout]  # fmt: skip
+        "mimo": (
+            "model.mtp_layers.{i}.",
+            dict(
+                token="token_layernorm",
+                hidden="hidden_layernorm",
+                proj="input_proj",
+                final="final_layernorm",
+            ),
+        ),
+        "deepseek": (
+            "model.layers.{n}.",
+            dict(token="enorm", hidden="hnorm", proj="eh_proj", final="shared_head.norm"),
+        ),
+        "qwen3_next": (
+            "mtp.layers.{i}.",
+            dict(
+                token="pre_fc_norm_embedding", hidden="pre_fc_norm_hidden", proj="fc", final="norm"
+            ),
+        ),
+    }[layout]
     out = {}
     for i in range(num_layers):
         prefix = names[0].format(i=i, n=SIZES["num_hidden_layers"] + i)
@@ -200,10 +213,12 @@ def test_mtp_layouts_load_onto_one_module(llama_dir, tmp_path, layout):
     assert torch.equal(layer.proj.weight, extra[key[layout] + fc + ".weight"])
     block = "mtp.layers.0." if layout == "qwen3_next" else key[layout]
     q, k = extra[block + "self_attn.q_proj.weight"], extra[block + "self_attn.k_proj.weight"]
-    assert torch.equal(layer.block.self_attn.qkv_proj.weight[: q.shape[0] + k.shape[0]],
-                       torch.cat([q, k]))  # fmt: skip
-    norm = {"mimo": "token_layernorm", "deepseek": "enorm",
-            "qwen3_next": "pre_fc_norm_embedding"}[layout]  # fmt: skip
+    assert torch.equal(
+        layer.block.self_attn.qkv_proj.weight[: q.shape[0] + k.shape[0]], torch.cat([q, k])
+    )
+    norm = {"mimo": "token_layernorm", "deepseek": "enorm", "qwen3_next": "pre_fc_norm_embedding"}[
+        layout
+    ]
     shift = 1.0 if layout == "qwen3_next" else 0.0  # zero-centred: stored w means (1 + w)
     assert torch.equal(layer.token_norm.weight, extra[key[layout] + norm + ".weight"] + shift)
     ln = layer.block.input_layernorm.weight
@@ -212,8 +227,10 @@ def test_mtp_layouts_load_onto_one_module(llama_dir, tmp_path, layout):
 
 def test_mtp_errors_name_the_problem(llama_dir, tmp_path):
     with pytest.raises(CheckpointError, match="no MTP weights"):
-        load(rewrite(llama_dir, tmp_path, lambda t: t, {"num_nextn_predict_layers": 1}),
-             with_mtp=True)  # fmt: skip
+        load(
+            rewrite(llama_dir, tmp_path, lambda t: t, {"num_nextn_predict_layers": 1}),
+            with_mtp=True,
+        )
     partial = mtp_tensors("mimo", 1)
     del partial["model.mtp_layers.0.final_layernorm.weight"]
     config = rewrite(llama_dir, tmp_path, lambda t: t | partial, {"num_nextn_predict_layers": 1})

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tinyserve.config import ModelConfig
-from tinyserve.layers.attention import Attention, AttentionMetadata, forward_context
-from tinyserve.layers.rotary import compute_inv_freq
-from tinyserve.loader import load_model
+from tinyserve.model.config import ModelConfig
+from tinyserve.model.layers.attention import Attention, AttentionMetadata, forward_context
+from tinyserve.model.layers.rotary import compute_inv_freq
+from tinyserve.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

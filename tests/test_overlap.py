@@ -10,14 +10,23 @@ import pytest
 import torch
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.sequence import PLACEHOLDER
+from tinyserve.core.sequence import PLACEHOLDER
 
 VOCAB = 128
 CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
-    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, rms_norm_eps=1e-6, torch_dtype="float32", eos_token_id=7,
-)  # fmt: skip
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    torch_dtype="float32",
+    eos_token_id=7,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +38,18 @@ def model_dir(tmp_path_factory):
 
 def make_llm(path, **kw):
     """The overlapped loop unless a test says otherwise (on the CPU it is off by default)."""
-    kw = dict(dtype="float32", device="cpu", load_format="dummy", seed=5, block_size=4,
-              num_kv_blocks=256, async_scheduling=True) | kw  # fmt: skip
+    kw = (
+        dict(
+            dtype="float32",
+            device="cpu",
+            load_format="dummy",
+            seed=5,
+            block_size=4,
+            num_kv_blocks=256,
+            async_scheduling=True,
+        )
+        | kw
+    )
     return LLM(path, **kw)
 
 
@@ -41,15 +60,22 @@ def workload(seed: int = 0):
     head = [rng.randrange(8, VOCAB) for _ in range(10)]
     prompts, params = [], []
     for i in range(12):
-        prompts.append(head[: rng.randrange(11)] + [rng.randrange(8, VOCAB) for _ in range(
-            rng.randrange(1, 20))])  # fmt: skip
+        prompts.append(
+            head[: rng.randrange(11)]
+            + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 20))]
+        )
         kind = i % 4
-        params.append(SamplingParams(
-            temperature=0 if kind < 2 else 0.9, seed=i if kind >= 2 else None,
-            max_tokens=rng.randrange(1, 30), ignore_eos=kind == 0,
-            stop_token_ids=[rng.randrange(8, VOCAB)] if kind == 1 else [],
-            logprobs=2 if kind == 3 else None, min_tokens=3 if kind == 2 else 0,
-        ))  # fmt: skip
+        params.append(
+            SamplingParams(
+                temperature=0 if kind < 2 else 0.9,
+                seed=i if kind >= 2 else None,
+                max_tokens=rng.randrange(1, 30),
+                ignore_eos=kind == 0,
+                stop_token_ids=[rng.randrange(8, VOCAB)] if kind == 1 else [],
+                logprobs=2 if kind == 3 else None,
+                min_tokens=3 if kind == 2 else 0,
+            )
+        )
     return prompts, params
 
 
@@ -57,8 +83,9 @@ def outputs(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.check_invariants()
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs)
-            for o in outs]  # fmt: skip
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs
+    ]
 
 
 @pytest.mark.parametrize(
@@ -118,8 +145,11 @@ def test_abort_while_in_flight_and_penalties_switch_modes(model_dir):
     while engine.has_unfinished():
         if step == 3:
             engine.abort("0")
-            engine.add_request("pen", [20, 21, 22], SamplingParams(
-                temperature=0, max_tokens=5, repetition_penalty=1.3))  # fmt: skip
+            engine.add_request(
+                "pen",
+                [20, 21, 22],
+                SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.3),
+            )
         for d in engine.step():
             for o in d.outputs:
                 got.setdefault(d.request_id, []).extend(o.token_ids)
@@ -155,12 +185,19 @@ def test_shared_prefixes_computed_once_with_the_overlapped_loop(model_dir, overl
 def with_replayed_graphs(llm, shared_prefix: bool = False):
     """The runner's CUDA-graph path on the CPU: DecodeGraphs with capture=False replays its
     static-buffer forward eagerly (same packed inputs, in-graph gather and argmax)."""
-    from tinyserve.graphs import DecodeGraphs
+    from tinyserve.runner.graphs import DecodeGraphs
 
     r = llm.engine.runner
-    r.graphs = DecodeGraphs(r.model, r.config.max_num_seqs, r.max_blocks_per_seq,
-                            r.num_kv_blocks, r.block_size, capture=False,
-                            shared_prefix=shared_prefix, max_chunk=r.max_graph_chunk)  # fmt: skip
+    r.graphs = DecodeGraphs(
+        r.model,
+        r.config.max_num_seqs,
+        r.max_blocks_per_seq,
+        r.num_kv_blocks,
+        r.block_size,
+        capture=False,
+        shared_prefix=shared_prefix,
+        max_chunk=r.max_graph_chunk,
+    )
     r.capture_prefill_graphs(capture=False)
     return llm
 
@@ -173,8 +210,15 @@ def test_graph_path_gives_the_eager_outputs(model_dir, greedy_only, overlap):
     sampled from its logits; padded rows must not disturb real ones."""
     prompts, params = workload(1)
     if greedy_only:
-        params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
-                                 stop_token_ids=p.stop_token_ids) for p in params]  # fmt: skip
+        params = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=p.max_tokens,
+                ignore_eos=p.ignore_eos,
+                stop_token_ids=p.stop_token_ids,
+            )
+            for p in params
+        ]
     want = outputs(make_llm(model_dir, async_scheduling=False), prompts, params)
     llm = with_replayed_graphs(make_llm(model_dir, async_scheduling=overlap, max_num_seqs=16))
     got = outputs(llm, prompts, params)
@@ -192,11 +236,14 @@ def test_shared_prefix_graphs_give_the_eager_outputs(model_dir, overlap):
     rng = random.Random(3)
     head = [rng.randrange(8, VOCAB) for _ in range(132)]
     prompts = [head + [rng.randrange(8, VOCAB) for _ in range(1 + i % 5)] for i in range(16)]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=12 + i,
-                             ignore_eos=True) for i in range(16)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=12 + i, ignore_eos=True)
+        for i in range(16)
+    ]
     want = outputs(make_llm(model_dir, async_scheduling=False), prompts, params)
-    llm = with_replayed_graphs(make_llm(model_dir, async_scheduling=overlap, max_num_seqs=16),
-                               shared_prefix=True)  # fmt: skip
+    llm = with_replayed_graphs(
+        make_llm(model_dir, async_scheduling=overlap, max_num_seqs=16), shared_prefix=True
+    )
     assert outputs(llm, prompts, params) == want
     assert llm.engine.runner.graphs.num_shared_replays > 5
 
@@ -206,8 +253,7 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
     bs x V floats each); a model whose query heads per kv head exceed one shared-prefix tile
     gets no cascade graphs."""
     from tinyserve.kernels import shared_prefix_attention
-
-    from tinyserve.graphs import DecodeGraphs
+    from tinyserve.runner.graphs import DecodeGraphs
 
     llm = with_replayed_graphs(make_llm(model_dir, max_num_seqs=16), shared_prefix=True)
     graphs = llm.engine.runner.graphs
@@ -217,13 +263,25 @@ def test_one_logits_buffer_per_graph_set_and_no_untileable_cascades(model_dir, m
     assert all(lg.data_ptr() == graphs.logits.data_ptr() for _, lg in graphs.outputs.values())
     r = llm.engine.runner
     monkeypatch.setattr(shared_prefix_attention, "shared_prefix_rows", lambda heads, kv_heads: 0)
-    untileable = DecodeGraphs(r.model, 16, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size,
-                              capture=False, shared_prefix=True)  # fmt: skip
+    untileable = DecodeGraphs(
+        r.model,
+        16,
+        r.max_blocks_per_seq,
+        r.num_kv_blocks,
+        r.block_size,
+        capture=False,
+        shared_prefix=True,
+    )
     assert untileable.shared_sizes == []
 
 
 def test_a_step_s_rows_round_up_to_the_next_graph_size():
-    from tinyserve.graph_shapes import graph_batch_sizes, mixed_batch_sizes, padded_size, round_up
+    from tinyserve.runner.graph_shapes import (
+        graph_batch_sizes,
+        mixed_batch_sizes,
+        padded_size,
+        round_up,
+    )
 
     assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
     assert [padded_size(n, 40) for n in (1, 3, 9, 17, 33, 40)] == [1, 4, 16, 32, 40, 40]
@@ -239,9 +297,8 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
     would leave a split over LONG_SPLIT_KEYS keys. Splits the context cut take the short key
     tile, GPU-filling and long ones the default."""
     from tinyserve.kernels import decode_attention
-
-    from tinyserve import graph_shapes
-    from tinyserve.graph_shapes import (
+    from tinyserve.runner import graph_shapes
+    from tinyserve.runner.graph_shapes import (
         KEYS_PER_SPLIT,
         LONG_MIN_SPLIT,
         LONG_ONE_SPLIT_KEYS,
@@ -265,8 +322,15 @@ def test_decode_split_count_follows_the_longest_context(monkeypatch):
 
     assert splits(1, None) == 32
     keys = KEYS_PER_SPLIT
-    assert [splits(1, c) for c in (1, keys, 2 * keys, 2 * keys + 1, 4 * keys, 9 * keys, 40960)
-            ] == [1, 1, 1, 4, 4, 16, 32]  # fmt: skip
+    assert [splits(1, c) for c in (1, keys, 2 * keys, 2 * keys + 1, 4 * keys, 9 * keys, 40960)] == [
+        1,
+        1,
+        1,
+        4,
+        4,
+        16,
+        32,
+    ]
     assert [block_n(1, s) for s in (1, 4, 16, 32)] == [None] + [SHORT_SPLIT_BLOCK_N] * 2 + [None]
     assert splits(3, 4 * keys) == splits(4, 4 * keys) == 4  # padded size
     # Batch 48 (384 programs on 132 SMs) fills the last wave with 2 splits, but their merge
@@ -301,8 +365,15 @@ def test_prefill_graphs_give_the_eager_outputs(model_dir, greedy_only):
     past a prefix-cache hit (the chunk starts mid-sequence) and in 16-token chunks."""
     prompts, params = workload(2)
     if greedy_only:
-        params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
-                                 stop_token_ids=p.stop_token_ids) for p in params]  # fmt: skip
+        params = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=p.max_tokens,
+                ignore_eos=p.ignore_eos,
+                stop_token_ids=p.stop_token_ids,
+            )
+            for p in params
+        ]
     prompts = prompts[:6] + [prompts[0] + prompts[1]]  # the last one hits prompt 0's blocks
     for budget in (8192, 16):
         eager = make_llm(model_dir, max_num_batched_tokens=budget)
@@ -324,8 +395,12 @@ def test_mixed_graphs_give_the_eager_outputs(model_dir, overlap):
     step before, the padding touching no one's KV, the chunk's last token sampled."""
     rng = random.Random(4)
     prompts = [[rng.randrange(8, VOCAB) for _ in range(n)] for n in (5, 3, 6, 4, 2, 160)]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=40 - 5 * i,
-                             ignore_eos=True) for i in range(6)]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0 if i % 2 else 0.8, seed=i, max_tokens=40 - 5 * i, ignore_eos=True
+        )
+        for i in range(6)
+    ]
     kw = dict(max_num_batched_tokens=32, max_num_seqs=8, async_scheduling=overlap)
     want = outputs(make_llm(model_dir, **kw), prompts, params)
     llm = with_replayed_graphs(make_llm(model_dir, **kw))
@@ -351,7 +426,7 @@ def test_mixed_graphs_take_a_long_decode_row_s_split_count(model_dir, monkeypatc
     a stand-in: 4 splits past 100 keys, since the CPU has none) decodes while another prompt is
     chunked: those mixed steps replay the graphs of that count, the others the GPU-filling one,
     with the eager steps' outputs."""
-    from tinyserve import graph_shapes
+    from tinyserve.runner import graph_shapes
 
     monkeypatch.setattr(
         graph_shapes,
@@ -377,7 +452,7 @@ def test_mixed_graphs_split_the_chunk_s_keys_by_the_chunk_alone(model_dir, monke
     splits follow the padded chunk alone (a stand-in rule here: 8 splits for a lone chunk past
     100 keys, 1 for anything counted with decode rows): the late chunks of the long prompt
     replay the split graphs, with the eager steps' outputs."""
-    from tinyserve import graphs
+    from tinyserve.runner import graphs
 
     monkeypatch.setattr(
         graphs,
@@ -402,14 +477,20 @@ def test_packed_to_device_views():
     pointer alignment)."""
     import numpy as np
 
-    from tinyserve.transfer import packed_to_device
+    from tinyserve.sample.transfer import packed_to_device
 
     tables = np.arange(15, dtype=np.int32).reshape(3, 5)
     floats = np.array([[0.5, -2.25], [1e-3, 7.0]], dtype=np.float32)
     arrays = [tables, [7], np.array([1, 2, 3], dtype=np.int32), [], [5, -1, 2**40], floats]
     views = packed_to_device(arrays, torch.device("cpu"))
-    assert [v.dtype for v in views] == [torch.int32, torch.long, torch.int32, torch.long,
-                                        torch.long, torch.float32]  # fmt: skip
+    assert [v.dtype for v in views] == [
+        torch.int32,
+        torch.long,
+        torch.int32,
+        torch.long,
+        torch.long,
+        torch.float32,
+    ]
     assert views[0].shape == (3, 5) and views[0].is_contiguous()
     for a, v in zip(arrays, views):
         assert v.tolist() == (a.tolist() if isinstance(a, np.ndarray) else a)

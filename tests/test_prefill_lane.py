@@ -26,22 +26,31 @@ def lane_workload(seed: int = 0, long_len: int = 150):
     rng = random.Random(seed)
     lens = (5, 3, 9, long_len, 4, long_len - 37)
     prompts = [[rng.randrange(8, VOCAB) for _ in range(n)] for n in lens]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=30 - 3 * i,
-                             ignore_eos=True) for i in range(len(lens))]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0 if i % 2 else 0.8, seed=i, max_tokens=30 - 3 * i, ignore_eos=True
+        )
+        for i in range(len(lens))
+    ]
     return prompts, params
 
 
 @pytest.mark.parametrize(
     "overlap,caching,blocks",
-    [(True, True, 256), (False, True, 256), (True, False, 256), (True, True, 48)],  # fmt: skip
+    [(True, True, 256), (False, True, 256), (True, False, 256), (True, True, 48)],
 )
 def test_lane_gives_the_outputs_of_the_steps(model_dir, overlap, caching, blocks):
     """Greedy and seeded outputs are the same with the lane as without, with the overlapped
     loop on and off, the prefix cache on and off, and under KV pressure (48 blocks of 4: the
     lane waits for room, sequences are preempted); the lane really ran chunks."""
     prompts, params = lane_workload()
-    kw = dict(max_num_batched_tokens=16, max_num_seqs=8, async_scheduling=overlap,
-              enable_prefix_caching=caching, num_kv_blocks=blocks)  # fmt: skip
+    kw = dict(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        async_scheduling=overlap,
+        enable_prefix_caching=caching,
+        num_kv_blocks=blocks,
+    )
     want = outputs(make_llm(model_dir, prefill_lane_tokens=0, **kw), prompts, params)
     llm = make_llm(model_dir, prefill_lane_tokens=32, **kw)
     assert outputs(llm, prompts, params) == want
@@ -100,8 +109,11 @@ def test_abort_while_a_lane_chunk_is_in_flight_frees_its_blocks_once_done(model_
     engine.step()
     engine.step()
     rng = random.Random(2)
-    engine.add_request("long", [rng.randrange(8, VOCAB) for _ in range(120)],
-                       SamplingParams(temperature=0, max_tokens=5))  # fmt: skip
+    engine.add_request(
+        "long",
+        [rng.randrange(8, VOCAB) for _ in range(120)],
+        SamplingParams(temperature=0, max_tokens=5),
+    )
     while not engine.scheduler.lane:
         engine.step()
     seq = engine.requests["long"].seqs[0]
@@ -125,8 +137,9 @@ def test_lane_chunks_enter_the_prefix_cache(model_dir):
     rng = random.Random(3)
     long = [rng.randrange(8, VOCAB) for _ in range(121)]
     short = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    first = llm.generate([[9, 10, 11], long], [short, SamplingParams(temperature=0,
-                         max_tokens=3)], use_tqdm=False)  # fmt: skip
+    first = llm.generate(
+        [[9, 10, 11], long], [short, SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False
+    )
     assert llm.engine.runner.lane.num_launched >= 2
     again = llm.generate([long], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert again[0].num_cached_tokens == 120
@@ -167,7 +180,7 @@ def test_chunks_in_flight_for_several_steps(model_dir, monkeypatch):
     spinning; with no stream left, the rest of the prompt goes through the steps."""
     import itertools
 
-    import tinyserve.engine
+    import tinyserve.engine.llm_engine
 
     prompts, params = lane_workload(seed=5)
     prompts, params = prompts[:4], params[:4]  # three short ones that stop early, one long
@@ -180,9 +193,11 @@ def test_chunks_in_flight_for_several_steps(model_dir, monkeypatch):
     real_poll = lane.poll
     monkeypatch.setattr(lane, "poll", lambda: real_poll() if next(calls) % 6 == 5 else 0)
     naps = []
-    monkeypatch.setattr(tinyserve.engine.time, "sleep", naps.append)
+    monkeypatch.setattr(tinyserve.engine.llm_engine.time, "sleep", naps.append)
     assert outputs(llm, prompts, params) == want
-    assert lane.num_launched == 2 and naps and set(naps) == {tinyserve.engine.LANE_IDLE_S}
+    assert (
+        lane.num_launched == 2 and naps and set(naps) == {tinyserve.engine.llm_engine.LANE_IDLE_S}
+    )
 
 
 def test_lane_takes_prompts_longer_than_a_step_and_stays_inside_max_model_len(model_dir):
@@ -207,7 +222,7 @@ def test_default_reserve_leaves_half_the_sms_to_small_models_and_3_8_to_large_on
     """A small model's decode step (hundreds of short kernels) needs SMs; a large one's streams
     its weights, which fewer SMs still pull, while its prefill needs every SM it can get
     (H100: llama-3.1-8b's TTFT 2.14x -> 1.74x with 50 SMs kept, its ITL 1.85x, under 2x)."""
-    from tinyserve.prefill_lane import default_reserve_sms
+    from tinyserve.runner.prefill_lane import default_reserve_sms
 
     assert default_reserve_sms(132, weight_bytes=1_200_000_000) == 66  # qwen3-0.6b
     assert default_reserve_sms(132, weight_bytes=16_000_000_000) == 50  # llama-3.1-8b
@@ -222,7 +237,7 @@ def test_default_reserve_grows_with_the_memory_rate_for_large_models():
     that a faster memory makes shorter: H200 (same 132 SMs, ~4.3 TB/s copy), llama-3.1-8b,
     ITL p99 / TTFT ratios 2.43x / 1.71x with 50 kept, 2.31x / 1.82x with 58, 1.89x / 2.06x
     with 66. Never more than half: small models' rule."""
-    from tinyserve.prefill_lane import default_reserve_sms
+    from tinyserve.runner.prefill_lane import default_reserve_sms
 
     assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=4.3e12) == 66
     assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=3.6e12) == 60

@@ -30,14 +30,27 @@ def reference(smollm2_path, prompts):
 
 @pytest.mark.parametrize(
     "caching,budget,blocks",
-    [(True, 16, None), (True, 64, None), (True, 512, None), (True, 8192, None),
-     (False, 16, None), (True, 64, 12), (False, 64, 12)],
-)  # fmt: skip
+    [
+        (True, 16, None),
+        (True, 64, None),
+        (True, 512, None),
+        (True, 8192, None),
+        (False, 16, None),
+        (True, 64, 12),
+        (False, 64, 12),
+    ],
+)
 def test_greedy_identical_with_cache_budgets_and_preemption(
     smollm2_path, prompts, reference, caching, budget, blocks
 ):
-    llm = LLM(smollm2_path, dtype="float32", device="cpu", enable_prefix_caching=caching,
-              max_num_batched_tokens=budget, num_kv_blocks=blocks)  # fmt: skip
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        device="cpu",
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=budget,
+        num_kv_blocks=blocks,
+    )
     # twice: the second round runs on prefix hits when caching is on
     for round_ in range(2):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)

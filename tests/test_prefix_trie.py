@@ -8,19 +8,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyserve import prefix_trie
-from tinyserve.block_pool import BlockPool
+from tinyserve.core import prefix_trie
+from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.scheduler import Scheduler
+from tinyserve.core.sequence import Sequence, SequenceStatus
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.scheduler import Scheduler
-from tinyserve.sequence import Sequence, SequenceStatus
 
 _ids = iter(range(10**9))
 
 
 def make_seq(tokens, max_tokens=4, salt=None, spans=()) -> Sequence:
     i = next(_ids)
-    return Sequence(i, str(i), 0, list(tokens), len(tokens), SamplingParams(), 0, max_tokens,
-                    cache_salt=salt, mm_spans=tuple(spans))  # fmt: skip
+    return Sequence(
+        i,
+        str(i),
+        0,
+        list(tokens),
+        len(tokens),
+        SamplingParams(),
+        0,
+        max_tokens,
+        cache_salt=salt,
+        mm_spans=tuple(spans),
+    )
 
 
 class FakeRunner:

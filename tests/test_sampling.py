@@ -1,6 +1,6 @@
-"""Tests for tinyserve.sampling_params (parameter validation) and tinyserve.sampling: masks and
-penalties against per-row references, counter-based RNG (reproducibility, distribution), greedy,
-logprobs, dtypes."""
+"""Tests for tinyserve.sampling_params (parameter validation) and tinyserve.sample.sampler:
+masks and penalties against per-row references, counter-based RNG (reproducibility,
+distribution), greedy, logprobs, dtypes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tinyserve.sampling import (
+from tinyserve.sample.sampler import (
     SamplingRow,
     SamplingTensors,
     apply_min_p,
@@ -26,25 +26,68 @@ from tinyserve.sampling_params import InvalidParameter, SamplingParams
 # --------------------------------------------------------------------------- validation
 
 BAD = [
-    ("n", 0), ("n", 1.5), ("n", True), ("n", "2"),
-    ("temperature", -0.1), ("temperature", "0.7"), ("temperature", math.nan),
-    ("temperature", math.inf), ("temperature", True), ("temperature", None),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", "1"), ("top_p", math.nan),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "5"), ("top_k", None),
-    ("min_p", -0.1), ("min_p", 1.5), ("min_p", "0.1"),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", False),
-    ("frequency_penalty", 3), ("frequency_penalty", -3), ("frequency_penalty", [0.1]),
-    ("repetition_penalty", 0), ("repetition_penalty", -1), ("repetition_penalty", math.inf),
-    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0), ("max_tokens", "16"),
-    ("min_tokens", -1), ("min_tokens", 1.0), ("min_tokens", None), ("min_tokens", 17),
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0),
-    ("stop", ""), ("stop", [""]), ("stop", ["a", 3]), ("stop", 5), ("stop", [None]),
+    ("n", 0),
+    ("n", 1.5),
+    ("n", True),
+    ("n", "2"),
+    ("temperature", -0.1),
+    ("temperature", "0.7"),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", True),
+    ("temperature", None),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -1),
+    ("top_p", "1"),
+    ("top_p", math.nan),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("top_k", True),
+    ("top_k", "5"),
+    ("top_k", None),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("min_p", "0.1"),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", False),
+    ("frequency_penalty", 3),
+    ("frequency_penalty", -3),
+    ("frequency_penalty", [0.1]),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1),
+    ("repetition_penalty", math.inf),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 2.0),
+    ("max_tokens", "16"),
+    ("min_tokens", -1),
+    ("min_tokens", 1.0),
+    ("min_tokens", None),
+    ("min_tokens", 17),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", True),
+    ("logprobs", 1.0),
+    ("stop", ""),
+    ("stop", [""]),
+    ("stop", ["a", 3]),
+    ("stop", 5),
+    ("stop", [None]),
     ("stop", {"a": 1}),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
-    ("stop_token_ids", 5), ("stop_token_ids", "12"),
-    ("seed", 1.5), ("seed", "42"), ("seed", True),
-    ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-]  # fmt: skip
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [1.5]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", 5),
+    ("stop_token_ids", "12"),
+    ("seed", 1.5),
+    ("seed", "42"),
+    ("seed", True),
+    ("ignore_eos", 1),
+    ("skip_special_tokens", "yes"),
+    ("include_stop_str_in_output", None),
+]
 
 
 @pytest.mark.parametrize(("param", "value"), BAD)

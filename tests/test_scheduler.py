@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyserve.block_pool import BlockPool
+from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.scheduler import Scheduler
+from tinyserve.core.sequence import Sequence, SequenceStatus
 from tinyserve.sampling_params import SamplingParams
-from tinyserve.scheduler import Scheduler
-from tinyserve.sequence import Sequence, SequenceStatus
 
 _ids = iter(range(10**9))
 
@@ -93,9 +93,10 @@ def test_sequence_preempts_itself_when_alone_and_stuck():
     block_size=st.sampled_from([1, 2, 4, 16]),
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 6),
-    ops=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 30)),
-                 max_size=40),
-)  # fmt: skip
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 30)), max_size=40
+    ),
+)
 def test_random_ops_keep_invariants_and_free_everything(
     num_blocks, block_size, budget, max_num_seqs, ops
 ):

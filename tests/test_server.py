@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tinyserve import AsyncEngine
-from tinyserve.server import STATE, ServerConfig, build_app
+from tinyserve.serve.server import STATE, ServerConfig, build_app
 
 pytestmark = pytest.mark.slow
 
@@ -89,11 +89,20 @@ def test_chat_with_openai_client_stream_and_not(engine):
     async def go():
         async with serving(engine) as client:
             c = oai(client)
-            r = await c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
-                                                max_tokens=12, temperature=0)  # fmt: skip
-            chunks = [ch async for ch in await c.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=CHAT, max_completion_tokens=12,
-                temperature=0, stream=True, stream_options={"include_usage": True})]  # fmt: skip
+            r = await c.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=12, temperature=0
+            )
+            chunks = [
+                ch
+                async for ch in await c.chat.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    messages=CHAT,
+                    max_completion_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            ]
             await c.close()
             return r, chunks
 
@@ -126,8 +135,9 @@ def test_completions_n_stop_logprobs_with_openai_client(engine):
     async def go():
         async with serving(engine) as client:
             c = oai(client)
-            greedy = await c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                                max_tokens=10, temperature=0)  # fmt: skip
+            greedy = await c.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=10, temperature=0
+            )
             stop = greedy.choices[0].text.split()[2]  # a word the greedy continuation reaches
             stopped = await c.completions.create(
                 model="SmolLM2-135M-Instruct",
@@ -137,11 +147,28 @@ def test_completions_n_stop_logprobs_with_openai_client(engine):
                 stop=[stop],
             )
             sampled = await c.completions.create(
-                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=5, n=3, seed=1,
-                temperature=1.0, logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
-            streamed = [ch async for ch in await c.completions.create(
-                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=5, n=3, seed=1,
-                temperature=1.0, stream=True, extra_body={"ignore_eos": True})]  # fmt: skip
+                model="SmolLM2-135M-Instruct",
+                prompt=prompt,
+                max_tokens=5,
+                n=3,
+                seed=1,
+                temperature=1.0,
+                logprobs=2,
+                extra_body={"ignore_eos": True},
+            )
+            streamed = [
+                ch
+                async for ch in await c.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    prompt=prompt,
+                    max_tokens=5,
+                    n=3,
+                    seed=1,
+                    temperature=1.0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            ]
             await c.close()
             return greedy.choices[0].text, stop, stopped, sampled, streamed
 
@@ -168,9 +195,14 @@ def test_chat_logprobs_and_top_logprobs(engine):
     async def go():
         async with serving(engine) as client:
             c = oai(client)
-            r = await c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
-                                                max_tokens=4, temperature=0, logprobs=True,
-                                                top_logprobs=3)  # fmt: skip
+            r = await c.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=CHAT,
+                max_tokens=4,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+            )
             await c.close()
             return r
 
@@ -185,8 +217,14 @@ def test_chat_logprobs_and_top_logprobs(engine):
 
 
 def test_raw_sse_framing_chat_and_completions(engine):
-    body = {"messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True, "n": 2,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": CHAT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True},
+    }
 
     async def go():
         async with serving(engine) as client:
@@ -225,18 +263,35 @@ def test_models_health_metrics_tokenize(engine):
             tok = await (await client.post("/tokenize", json={"prompt": "Hello world"})).json()
             chat_tok = await client.post("/tokenize", json={"messages": CHAT})
             detok = await client.post("/detokenize", json={"tokens": tok["tokens"]})
-            return models, card.status, missing.status, health.status, metrics, tok, \
-                (await chat_tok.json())["count"], await detok.json()  # fmt: skip
+            return (
+                models,
+                card.status,
+                missing.status,
+                health.status,
+                metrics,
+                tok,
+                (await chat_tok.json())["count"],
+                await detok.json(),
+            )
 
     models, card, missing, health, metrics, tok, chat_count, detok = asyncio.run(go())
     assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
     assert models["data"][0]["max_model_len"] == engine.max_model_len
     assert (card, missing, health) == (200, 404, 200)
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
-    for name in ("requests", "prompt_tokens", "generation_tokens", "num_requests_running",
-                 "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
-                 "prefix_cache_hits", "time_to_first_token_seconds",
-                 "inter_token_latency_seconds", "e2e_request_latency_seconds"):  # fmt: skip
+    for name in (
+        "requests",
+        "prompt_tokens",
+        "generation_tokens",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
         assert f"tinyserve:{name}" in families, name
     ok = [s for s in families["tinyserve:requests"].samples if s.labels.get("outcome") == "ok"]
     assert ok[0].value == 1
@@ -272,12 +327,21 @@ def test_cache_salt_isolates_prefix_cache_between_tenants(engine):
 def test_model_without_tokenizer_serves_token_ids(tmp_path):
     """Dummy benchmark shapes have no tokenizer.json: token-id prompts work, text gets a 400."""
     from tinyserve.config import EngineConfig
-    from tinyserve.engine import LLMEngine
+    from tinyserve.engine.llm_engine import LLMEngine
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu"))
 

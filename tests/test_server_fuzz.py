@@ -26,21 +26,83 @@ BASE = {
     "/detokenize": {"tokens": [1, 2, 3]},
 }
 KEYS = [
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stream",
-    "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
-    "logit_bias", "ignore_eos", "min_tokens", "skip_special_tokens", "tools", "tool_choice",
-    "response_format", "echo", "suffix", "best_of", "user", "tokens", "add_special_tokens",
-]  # fmt: skip
-INTS = [0, 1, -1, 2, 3, 4, 5, 16, 17, 20, 21, 300, 49151, 49152, 2**31, 2**63, -(2**63) - 1,
-        10**30]  # fmt: skip
-FLOATS = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, -0.5, 1e-9, 1e308, float("nan"), float("inf"),
-          float("-inf")]  # fmt: skip
-STRINGS = ["", "a", "Hi", "x" * 300, "é中🙂", "\x00", "\r\nFORGED", MODEL, "user", "system",
-           "assistant", "text", "<|im_end|>", "{{ raise_exception('x') }}"]  # fmt: skip
-RAW = [b'{"model":', b"", b"null", b"\xff\xfe\x00", b"[" * 5000, b'{"n": NaN}',
-       b'{"max_tokens": 1e999}', b'{"a": 1' + b"2" * 5000 + b"}", b"{'single': 1}",
-       b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,}']  # fmt: skip
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "echo",
+    "suffix",
+    "best_of",
+    "user",
+    "tokens",
+    "add_special_tokens",
+]
+INTS = [0, 1, -1, 2, 3, 4, 5, 16, 17, 20, 21, 300, 49151, 49152, 2**31, 2**63, -(2**63) - 1, 10**30]
+FLOATS = [
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    -0.5,
+    1e-9,
+    1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+]
+STRINGS = [
+    "",
+    "a",
+    "Hi",
+    "x" * 300,
+    "é中🙂",
+    "\x00",
+    "\r\nFORGED",
+    MODEL,
+    "user",
+    "system",
+    "assistant",
+    "text",
+    "<|im_end|>",
+    "{{ raise_exception('x') }}",
+]
+RAW = [
+    b'{"model":',
+    b"",
+    b"null",
+    b"\xff\xfe\x00",
+    b"[" * 5000,
+    b'{"n": NaN}',
+    b'{"max_tokens": 1e999}',
+    b'{"a": 1' + b"2" * 5000 + b"}",
+    b"{'single': 1}",
+    b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,}',
+]
 
 
 def value(rng: random.Random, depth: int = 0):
@@ -58,12 +120,21 @@ def value(rng: random.Random, depth: int = 0):
     if kind == 5:
         return [value(rng, depth + 1) for _ in range(rng.randrange(4))]
     if kind == 6:
-        return {rng.choice(KEYS + ["role", "content", "type", "text", "1"]): value(rng, depth + 1)
-                for _ in range(rng.randrange(4))}  # fmt: skip
+        return {
+            rng.choice(KEYS + ["role", "content", "type", "text", "1"]): value(rng, depth + 1)
+            for _ in range(rng.randrange(4))
+        }
     if kind == 7:
-        return [rng.choice([MSG, {"role": value(rng, 2), "content": value(rng, 2)},
-                            {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
-                for _ in range(rng.randrange(1, 3))]  # fmt: skip
+        return [
+            rng.choice(
+                [
+                    MSG,
+                    {"role": value(rng, 2), "content": value(rng, 2)},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                ]
+            )
+            for _ in range(rng.randrange(1, 3))
+        ]
     return [rng.choice(INTS[:9]) for _ in range(rng.randrange(1, 6))]  # token ids
 
 

@@ -18,8 +18,8 @@ import pytest
 from test_server import CHAT, assert_clean, serving, wait_idle
 
 from tinyserve import LLM, AsyncEngine
-from tinyserve.responses import ResponseBuilder
-from tinyserve.server import STATE, ServerConfig, drain, serve
+from tinyserve.serve.responses import ResponseBuilder
+from tinyserve.serve.server import STATE, ServerConfig, drain, serve
 
 pytestmark = pytest.mark.slow
 
@@ -88,8 +88,7 @@ def test_14_disconnect_storm_frees_blocks_within_two_steps(engine, step_count):
             engine.check_invariants()
             assert engine.pool.num_free_blocks == baseline
             t0 = time.perf_counter()
-            r = await client.post("/v1/chat/completions", json={"messages": CHAT,
-                                                               "max_tokens": 4})  # fmt: skip
+            r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
             assert r.status == 200 and time.perf_counter() - t0 < 5
             metrics = await (await client.get("/metrics")).text()
             return steps, metrics
@@ -113,11 +112,19 @@ def test_15_disconnect_while_queued_never_prefills(engine, monkeypatch):
 
     async def go():
         async with serving(engine) as client:
-            running = [await client.post("/v1/chat/completions", json={**LONG, "stream": True})
-                       for _ in range(2)]  # fmt: skip
+            running = [
+                await client.post("/v1/chat/completions", json={**LONG, "stream": True})
+                for _ in range(2)
+            ]
             await asyncio.gather(*(first_content(r) for r in running))
-            queued = [asyncio.ensure_future(client.post("/v1/completions", json={
-                "prompt": f"Queued request {i}", "max_tokens": 4})) for i in range(20)]  # fmt: skip
+            queued = [
+                asyncio.ensure_future(
+                    client.post(
+                        "/v1/completions", json={"prompt": f"Queued request {i}", "max_tokens": 4}
+                    )
+                )
+                for i in range(20)
+            ]
             for _ in range(500):
                 if len(engine.scheduler.waiting) == 20:
                     break
@@ -156,7 +163,7 @@ def test_16_preemption_under_kv_pressure_same_outputs(engine, small_llm):
                     json={"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
                 )
                 assert r.status == 200, await r.text()
-                return (await r.json())["choices"][0]["text"]  # fmt: skip
+                return (await r.json())["choices"][0]["text"]
 
             texts = await asyncio.gather(*(one(p) for p in prompts))
             too_big = await client.post(
@@ -179,9 +186,14 @@ def test_7_clamp_max_tokens_flag(small_llm):
 
     async def go():
         async with serving(small_llm.engine, clamp_max_tokens=True) as client:
-            r = await client.post("/v1/completions", json={
-                "prompt": list(range(1000, 1000 + limit - 3)), "max_tokens": 100,
-                "ignore_eos": True})  # fmt: skip
+            r = await client.post(
+                "/v1/completions",
+                json={
+                    "prompt": list(range(1000, 1000 + limit - 3)),
+                    "max_tokens": 100,
+                    "ignore_eos": True,
+                },
+            )
             return r.status, await r.json()
 
     status, body = asyncio.run(go())
@@ -193,8 +205,9 @@ def test_17_backpressure_429_with_retry_after(engine):
     async def go():
         async with serving(engine, max_waiting=4) as client:
             body = {"messages": CHAT, "max_tokens": 4}
-            resps = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
-                                           for _ in range(20)))  # fmt: skip
+            resps = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for _ in range(20))
+            )
             out = [(r.status, r.headers.get("Retry-After"), await r.json()) for r in resps]
             st = client.app[STATE]
             assert st.num_waiting == 0 and not st.flights  # nothing left behind
@@ -269,10 +282,14 @@ def test_22_health_under_load_and_one_request_fault(engine, monkeypatch):
             assert (await client.get("/health")).status == 200
             body = {"messages": CHAT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
             victim = {**body, "logprobs": True, "top_logprobs": 1}
-            healthy = [client.post("/v1/chat/completions", json={**body, "stream": s})
-                       for s in (True, False, True, False)]  # fmt: skip
-            victims = [client.post("/v1/chat/completions", json={**victim, "stream": s})
-                       for s in (True, False)]  # fmt: skip
+            healthy = [
+                client.post("/v1/chat/completions", json={**body, "stream": s})
+                for s in (True, False, True, False)
+            ]
+            victims = [
+                client.post("/v1/chat/completions", json={**victim, "stream": s})
+                for s in (True, False)
+            ]
             tasks = [asyncio.ensure_future(c) for c in healthy + victims]
             latencies = []
             while not all(t.done() for t in tasks):
@@ -281,8 +298,14 @@ def test_22_health_under_load_and_one_request_fault(engine, monkeypatch):
                 latencies.append(time.perf_counter() - t0)
                 await asyncio.sleep(0.01)
             resps = [t.result() for t in tasks]
-            return resps, [await events(r) if i in (0, 2, 4) else (r.status, await r.json())
-                           for i, r in enumerate(resps)], sorted(latencies)  # fmt: skip
+            return (
+                resps,
+                [
+                    await events(r) if i in (0, 2, 4) else (r.status, await r.json())
+                    for i, r in enumerate(resps)
+                ],
+                sorted(latencies),
+            )
 
     resps, results, latencies = asyncio.run(go())
     assert results[0][-2]["choices"][0]["finish_reason"] == "length"

@@ -32,8 +32,10 @@ def start(*args: str) -> tuple[subprocess.Popen, str, str]:
     cmd = [exe] if exe else [sys.executable, "-m", "tinyserve.cli"]
     proc = subprocess.Popen(
         [*cmd, "run", "--port", "0", "--num-kv-blocks", "256", "--dtype", "float32", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
@@ -131,8 +133,9 @@ def test_run_api_key_and_zero_shutdown_timeout_aborts():
         assert json.loads(denied.stdout)["error"]["code"] == "invalid_api_key"
         assert curl(f"{url}/health").stdout == '{"status":"ok"}'
         body = {**CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-        inflight = curl(f"{url}/v1/chat/completions", body, f"Authorization: Bearer {KEY}",
-                        wait=False)  # fmt: skip
+        inflight = curl(
+            f"{url}/v1/chat/completions", body, f"Authorization: Bearer {KEY}", wait=False
+        )
         first = first_line(inflight)
         code, elapsed, logs = stop(proc, timeout=10)
         events = sse(first + rest(inflight, 10))

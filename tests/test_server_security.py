@@ -58,11 +58,16 @@ def test_19_api_key_on_every_route_but_health(engine, caplog):
             assert len(table) >= 12  # every route, GET ones with their HEAD twin
             for method, path in table:
                 public = path == "/health" and method in ("GET", "HEAD")
-                for headers in ({}, {"Authorization": "Bearer wrong"},
-                                {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"},
-                                {"Authorization": f"Bearer {KEY}x"}):  # fmt: skip
-                    r = await client.request(method, path, headers=headers,
-                                             json=GOOD_BODIES.get(path))  # fmt: skip
+                for headers in (
+                    {},
+                    {"Authorization": "Bearer wrong"},
+                    {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": "Bearer"},
+                    {"Authorization": f"Bearer {KEY}x"},
+                ):
+                    r = await client.request(
+                        method, path, headers=headers, json=GOOD_BODIES.get(path)
+                    )
                     if public:
                         assert r.status == 200, (method, path)
                     else:
@@ -73,8 +78,9 @@ def test_19_api_key_on_every_route_but_health(engine, caplog):
                             assert body["error"]["code"] == "invalid_api_key"
                             assert KEY not in await r.text()
                 for auth in (f"Bearer {KEY}", f"bearer {KEY}"):
-                    r = await client.request(method, path, headers={"Authorization": auth},
-                                             json=GOOD_BODIES.get(path))  # fmt: skip
+                    r = await client.request(
+                        method, path, headers={"Authorization": auth}, json=GOOD_BODIES.get(path)
+                    )
                     assert r.status == 200, (method, path, await r.text())
             probes = [
                 "POST //v1/chat/completions HTTP/1.1",
@@ -93,14 +99,20 @@ def test_19_api_key_on_every_route_but_health(engine, caplog):
                 "DELETE /health HTTP/1.1",
             ]
             for line in probes:
-                for extra in ("", "X-Forwarded-For: 127.0.0.1\nX-Real-IP: 127.0.0.1\n"
-                              "X-Forwarded-Host: localhost\nX-Forwarded-Proto: https\n"
-                              "Forwarded: for=127.0.0.1\n"):  # fmt: skip
-                    request = f"{line}\nHost: localhost\n{extra}Content-Length: 0\n" \
-                              "Connection: close\n"  # fmt: skip
+                for extra in (
+                    "",
+                    "X-Forwarded-For: 127.0.0.1\nX-Real-IP: 127.0.0.1\n"
+                    "X-Forwarded-Host: localhost\nX-Forwarded-Proto: https\n"
+                    "Forwarded: for=127.0.0.1\n",
+                ):
+                    request = (
+                        f"{line}\nHost: localhost\n{extra}Content-Length: 0\nConnection: close\n"
+                    )
                     status, headers, _ = await raw(client, request)
-                    assert status == 401 and headers["www-authenticate"].startswith("Bearer"), \
-                        (line, status)  # fmt: skip
+                    assert status == 401 and headers["www-authenticate"].startswith("Bearer"), (
+                        line,
+                        status,
+                    )
             status, _, _ = await raw(
                 client,
                 "GET /health HTTP/1.1\nHost: evil.example\n"
@@ -114,23 +126,28 @@ def test_19_api_key_on_every_route_but_health(engine, caplog):
 
 def test_20_cors_off_by_default_and_exact_origin_echo(engine):
     ok, evil = "https://ok.example", "https://evil.example"
-    preflight = {"Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
 
     async def go(**config):
         async with serving(engine, **config) as client:
             out = {}
             for origin in (ok, evil):
-                r = await client.options("/v1/chat/completions",
-                                         headers={"Origin": origin, **preflight})  # fmt: skip
+                r = await client.options(
+                    "/v1/chat/completions", headers={"Origin": origin, **preflight}
+                )
                 out["preflight", origin] = r.status, dict(r.headers)
                 r = await client.get(
                     "/v1/models", headers={"Origin": origin, "Authorization": f"Bearer {KEY}"}
                 )
                 out["get", origin] = r.status, dict(r.headers)
-                r = await client.post("/v1/chat/completions", json={**GOOD_BODIES[
-                    "/v1/chat/completions"], "stream": True}, headers={
-                    "Origin": origin, "Authorization": f"Bearer {KEY}"})  # fmt: skip
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={**GOOD_BODIES["/v1/chat/completions"], "stream": True},
+                    headers={"Origin": origin, "Authorization": f"Bearer {KEY}"},
+                )
                 await r.read()
                 out["stream", origin] = r.status, dict(r.headers)
             return out
@@ -166,8 +183,9 @@ def test_log_injection_is_escaped(engine, caplog):
                 "/v1/chat/completions", json={"model": "x\r\nFORGED line", "messages": CHAT}
             )
             assert r.status == 404
-            assert (await r.json())["error"]["message"] == "The model 'x\\r\\nFORGED line' " \
-                "does not exist."  # fmt: skip
+            assert (await r.json())["error"][
+                "message"
+            ] == "The model 'x\\r\\nFORGED line' does not exist."
             status, _, _ = await raw(
                 client,
                 "POST /v1/chat/completions%0d%0aFORGED HTTP/1.1\n"

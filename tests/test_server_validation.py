@@ -95,7 +95,7 @@ def test_1_malformed_json_2_wrong_types_3_content_type(engine):
             400,
             "messages",
             None,
-        ),  # fmt: skip
+        ),
         (CHAT_URL, chat(tools=[{"type": "function"}]), 400, "tools", "unsupported_parameter"),
         (COMPLETIONS_URL, {"prompt": 5}, 400, "prompt", None),
         (COMPLETIONS_URL, {"prompt": [1, "a"]}, 400, "prompt", None),
@@ -158,16 +158,23 @@ def test_6_prompt_at_context_7_prompt_plus_max_tokens(engine):
             r = await post(client, COMPLETIONS_URL, {"prompt": ids, "max_tokens": 1})
             err = await expect_error(r, 400, "prompt", "context_length_exceeded")
             assert CONTEXT.fullmatch(err["message"]).groups() == (
-                str(limit), str(limit + 1), str(limit), "1"
-            )  # fmt: skip
+                str(limit),
+                str(limit + 1),
+                str(limit),
+                "1",
+            )
             assert engine.pool.num_free_blocks == free and not engine.has_unfinished()
             # prompt + max_tokens over the limit: OpenAI's wording, param = max_tokens
-            r = await post(client, COMPLETIONS_URL, {"prompt": ids[: limit - 100],
-                                                     "max_tokens": 200})  # fmt: skip
+            r = await post(
+                client, COMPLETIONS_URL, {"prompt": ids[: limit - 100], "max_tokens": 200}
+            )
             err = await expect_error(r, 400, "max_tokens", "context_length_exceeded")
             assert CONTEXT.fullmatch(err["message"]).groups() == (
-                str(limit), str(limit + 100), str(limit - 100), "200"
-            )  # fmt: skip
+                str(limit),
+                str(limit + 100),
+                str(limit - 100),
+                "200",
+            )
             for bad in (0, -1):
                 r = await post(client, CHAT_URL, chat(max_tokens=bad))
                 await expect_error(r, 400, "max_tokens")
@@ -193,10 +200,17 @@ def test_8_sampling_ranges(engine):
         "min_tokens": [-1, 5],  # 5 > max_tokens = 2
     }
     cases = [
-        (url, chat(**{k: v}) if url == CHAT_URL else {"prompt": "hi", "max_tokens": 2, k: v},
-         400, k, None)
-        for k, values in bad.items() for v in values for url in (CHAT_URL, COMPLETIONS_URL)
-    ]  # fmt: skip
+        (
+            url,
+            chat(**{k: v}) if url == CHAT_URL else {"prompt": "hi", "max_tokens": 2, k: v},
+            400,
+            k,
+            None,
+        )
+        for k, values in bad.items()
+        for v in values
+        for url in (CHAT_URL, COMPLETIONS_URL)
+    ]
     # json.dumps writes NaN / Infinity, which Python's json.loads accepts: they must still fail
     run_cases(engine, cases)
 
@@ -245,15 +259,20 @@ def test_10_logit_bias_names_every_bad_key(engine):
                     assert repr(key) in err["message"]
                 assert "'2'" not in err["message"]
             too_many = {str(i): 1 for i in range(301)}
-            await expect_error(await post(client, CHAT_URL, chat(logit_bias=too_many)), 400,
-                               "logit_bias")  # fmt: skip
-            await expect_error(await post(client, CHAT_URL, chat(logit_bias=[1])), 400,
-                               "logit_bias")  # fmt: skip
+            await expect_error(
+                await post(client, CHAT_URL, chat(logit_bias=too_many)), 400, "logit_bias"
+            )
+            await expect_error(
+                await post(client, CHAT_URL, chat(logit_bias=[1])), 400, "logit_bias"
+            )
             valid = await post(client, CHAT_URL, chat(logit_bias={str(vocab - 1): 1.0}))
             assert valid.status == 200, await valid.text()
             # +100 on one token makes greedy decoding emit nothing else: the bias is applied
-            forced = await post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 4,
-                                "temperature": 0, "logit_bias": {"1000": 100}})  # fmt: skip
+            forced = await post(
+                client,
+                "/v1/completions",
+                {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logit_bias": {"1000": 100}},
+            )
             ids = engine.tokenizer.encode((await forced.json())["choices"][0]["text"])
             assert ids and set(ids) == {1000}
             r = await post(client, CHAT_URL, chat(logit_bias={}))
@@ -281,8 +300,9 @@ def test_12_oversized_body_and_headers(engine):
     async def go():
         async with serving(engine) as client:
             big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
-            r = await client.post(COMPLETIONS_URL, data=big,
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+            r = await client.post(
+                COMPLETIONS_URL, data=big, headers={"Content-Type": "application/json"}
+            )
             await expect_error(r, 413, code="request_too_large")
             many = {f"X-Header-{i}": "v" for i in range(200)}
             r = await client.get("/v1/models", headers=many)

@@ -12,22 +12,31 @@ import random
 import numpy as np
 import pytest
 import torch
-from tinyserve.kernels.spec_accept import accept_drafts_ref
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.config import InvalidConfig
-from tinyserve.layers.attention import forward_context
-from tinyserve.sampling import SamplingRow, SamplingTensors, sample
-from tinyserve.sequence import PLACEHOLDER
-from tinyserve.spec_decode import NgramProposer
+from tinyserve.core.sequence import PLACEHOLDER
+from tinyserve.kernels.spec_accept import accept_drafts_ref
+from tinyserve.model.layers.attention import forward_context
+from tinyserve.sample.sampler import SamplingRow, SamplingTensors, sample
+from tinyserve.spec.ngram import NgramProposer
 
 VOCAB = 96
 CONFIG = dict(
-    architectures=["MiMoForCausalLM"], model_type="mimo", vocab_size=VOCAB, hidden_size=64,
-    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, torch_dtype="float32",
-)  # fmt: skip
+    architectures=["MiMoForCausalLM"],
+    model_type="mimo",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    num_nextn_predict_layers=1,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -40,8 +49,17 @@ def mimo_dir(tmp_path_factory):
 
 def make_llm(path, **kw):
     """The overlapped loop unless a test says otherwise (on the CPU it is off by default)."""
-    kw = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, block_size=4,
-              async_scheduling=True) | kw  # fmt: skip
+    kw = (
+        dict(
+            dtype="float32",
+            device="cpu",
+            load_format="dummy",
+            seed=3,
+            block_size=4,
+            async_scheduling=True,
+        )
+        | kw
+    )
     kw["num_kv_blocks"] = kw.get("num_kv_blocks") or 512  # not the 4 GiB CPU default per engine
     return LLM(path, **kw)
 
@@ -147,17 +165,30 @@ def test_config_errors():
 
 @pytest.mark.parametrize(
     "method,k,caching,budget,blocks",
-    [("ngram", 3, True, 8192, None), ("ngram", 5, False, 16, None), ("mtp", 1, True, 8192, None),
-     ("mtp", 2, False, 8192, None), ("mtp", 3, True, 16, None), ("mtp", 3, False, 64, None),
-     ("mtp", 2, True, 64, 24), ("ngram", 3, True, 64, 24)],
-)  # fmt: skip
-def test_greedy_identical_to_no_speculation(mimo_dir, reference, method, k, caching, budget,
-                                            blocks):  # fmt: skip
-    llm = make_llm(mimo_dir, speculative_method=method, num_speculative_tokens=k,
-                   enable_prefix_caching=caching, max_num_batched_tokens=budget,
-                   num_kv_blocks=blocks)  # fmt: skip
+    [
+        ("ngram", 3, True, 8192, None),
+        ("ngram", 5, False, 16, None),
+        ("mtp", 1, True, 8192, None),
+        ("mtp", 2, False, 8192, None),
+        ("mtp", 3, True, 16, None),
+        ("mtp", 3, False, 64, None),
+        ("mtp", 2, True, 64, 24),
+        ("ngram", 3, True, 64, 24),
+    ],
+)
+def test_greedy_identical_to_no_speculation(
+    mimo_dir, reference, method, k, caching, budget, blocks
+):
+    llm = make_llm(
+        mimo_dir,
+        speculative_method=method,
+        num_speculative_tokens=k,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=budget,
+        num_kv_blocks=blocks,
+    )
     assert run(llm, prompts()) == reference
-    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert llm.engine.spec.stats.num_draft_tokens > 0
     if blocks:
         assert llm.engine.scheduler.num_preemptions > 0
 
@@ -165,10 +196,14 @@ def test_greedy_identical_to_no_speculation(mimo_dir, reference, method, k, cach
 @pytest.mark.parametrize("caching", [True, False])
 def test_oracle_accepts_everything_across_block_boundaries(mimo_dir, reference, caching):
     k = 9  # 10 tokens per step with block_size 4: each step crosses two or more boundaries
-    llm = make_llm(mimo_dir, speculative_method="ngram", num_speculative_tokens=k,
-                   enable_prefix_caching=caching)  # fmt: skip
+    llm = make_llm(
+        mimo_dir,
+        speculative_method="ngram",
+        num_speculative_tokens=k,
+        enable_prefix_caching=caching,
+    )
     ps = prompts()
-    llm.engine.proposer = Oracle(k, {tuple(p): c for p, c in zip(ps, reference)})
+    llm.engine.spec.proposer = Oracle(k, {tuple(p): c for p, c in zip(ps, reference)})
     seen = []
     real_step = llm.engine.step
 
@@ -183,21 +218,22 @@ def test_oracle_accepts_everything_across_block_boundaries(mimo_dir, reference, 
 
     llm.engine.step = step
     assert run(llm, ps) == reference
-    stats = llm.engine.spec_stats
+    stats = llm.engine.spec.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     assert max(seen) >= 2  # a step's accepted tokens crossed two block boundaries
 
 
 def test_random_proposer_partial_acceptance_with_sampling(mimo_dir):
     """Seeded sampling: the same tokens with and without speculation (per-position RNG)."""
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True,
-                            presence_penalty=0.5)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True, presence_penalty=0.5
+    )
     ps = prompts(4, seed=1)
     ref = run(make_llm(mimo_dir), ps, params)
     llm = make_llm(mimo_dir, speculative_method="ngram", num_speculative_tokens=4)
-    llm.engine.proposer = RandomProposer(4, Oracle(4, {tuple(p): c for p, c in zip(ps, ref)}))
+    llm.engine.spec.proposer = RandomProposer(4, Oracle(4, {tuple(p): c for p, c in zip(ps, ref)}))
     assert run(llm, ps, params) == ref
-    stats = llm.engine.spec_stats
+    stats = llm.engine.spec.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
@@ -206,25 +242,28 @@ def test_stop_and_max_tokens_inside_accepted_drafts(mimo_dir, reference):
     per token."""
     ps = prompts()
     stop_tok = reference[0][7]
-    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True,
-                            stop_token_ids=[stop_tok])  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=13, ignore_eos=True, stop_token_ids=[stop_tok]
+    )
     want = run(make_llm(mimo_dir), ps, params)
     llm = make_llm(mimo_dir, speculative_method="ngram", num_speculative_tokens=6)
-    llm.engine.proposer = Oracle(6, {tuple(p): c for p, c in zip(ps, reference)})
+    llm.engine.spec.proposer = Oracle(6, {tuple(p): c for p, c in zip(ps, reference)})
     assert run(llm, ps, params) == want
     assert want[0][-1] == stop_tok and all(len(w) <= 13 for w in want)
 
 
 def test_forced_acceptance_emits_the_drafts(mimo_dir):
     """Benchmark switch: exactly f drafts accepted per step (the outputs are the drafts')."""
-    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
-                   spec_force_accept=2)  # fmt: skip
+    llm = make_llm(
+        mimo_dir, speculative_method="mtp", num_speculative_tokens=3, spec_force_accept=2
+    )
     got = run(llm, prompts(2))
-    s = llm.engine.spec_stats
+    s = llm.engine.spec.stats
     assert s.num_accepted_tokens == 2 * s.num_drafts
     # f = 0: every step emits the target's own token, so the outputs are the model's
-    zero = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
-                    spec_force_accept=0)  # fmt: skip
+    zero = make_llm(
+        mimo_dir, speculative_method="mtp", num_speculative_tokens=3, spec_force_accept=0
+    )
     assert run(zero, prompts(2)) == run(make_llm(mimo_dir), prompts(2)) != got
 
 
@@ -235,14 +274,15 @@ def with_replayed_verify_graphs(llm):
     """The runner's graph path for MTP steps on the CPU: decode and verify DecodeGraphs with
     capture=False (their static-buffer forwards run eagerly), and the verify set's drafting
     run on the same static buffers after each replay, as the GPU's drafting graph is."""
-    from tinyserve.draft_graphs import DraftGraphs
-    from tinyserve.graphs import DecodeGraphs
+    from tinyserve.runner.draft_graphs import DraftGraphs
+    from tinyserve.runner.graphs import DecodeGraphs
 
     r = llm.engine.runner
     args = (r.model, r.config.max_num_seqs, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size)
     r.graphs = DecodeGraphs(*args, capture=False)
-    r.verify_graphs = DecodeGraphs(*args, query_len=r.config.num_speculative_tokens + 1,
-                                   capture=False)  # fmt: skip
+    r.verify_graphs = DecodeGraphs(
+        *args, query_len=r.config.num_speculative_tokens + 1, capture=False
+    )
     r.draft_graphs = DraftGraphs(r.verify_graphs, r.drafter.draft_tokens, r.graphs.last_sampled)
     return llm
 
@@ -253,13 +293,18 @@ def test_verify_graph_path_gives_the_eager_outputs(mimo_dir, reference, overlap,
     """MTP steps through the verify graphs and their drafting (padded to the graph sizes, the
     previous step's drafts shifted into the static inputs, the graph's own argmax as the
     greedy tokens): the eager steps' outputs, with acceptance free or forced."""
-    kw = dict(speculative_method="mtp", num_speculative_tokens=k, spec_force_accept=force,
-              async_scheduling=overlap, max_num_seqs=8)  # fmt: skip
+    kw = dict(
+        speculative_method="mtp",
+        num_speculative_tokens=k,
+        spec_force_accept=force,
+        async_scheduling=overlap,
+        max_num_seqs=8,
+    )
     want = reference if force is None else run(make_llm(mimo_dir, **kw), prompts())
     llm = with_replayed_verify_graphs(make_llm(mimo_dir, **kw))
     assert run(llm, prompts()) == want
     assert llm.engine.runner.verify_graphs.num_replays > 5  # 40 tokens, 3 a step when forced
-    assert llm.engine.spec_stats.num_accepted_tokens > 0 or force == 0
+    assert llm.engine.spec.stats.num_accepted_tokens > 0 or force == 0
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -302,8 +347,9 @@ def test_verify_graph_path_samples_seeded_rows_as_the_eager_steps(mimo_dir, forc
     tokens, with acceptance free (then also plain decoding's) or forced."""
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=30, ignore_eos=True)
     ps = prompts(4, seed=1)
-    kw = dict(speculative_method="mtp", num_speculative_tokens=2, max_num_seqs=8,
-              spec_force_accept=force)  # fmt: skip
+    kw = dict(
+        speculative_method="mtp", num_speculative_tokens=2, max_num_seqs=8, spec_force_accept=force
+    )
     want = run(make_llm(mimo_dir, **kw), ps, params)
     if force is None:
         assert want == run(make_llm(mimo_dir), ps, params)
@@ -312,7 +358,7 @@ def test_verify_graph_path_samples_seeded_rows_as_the_eager_steps(mimo_dir, forc
     assert run(llm, ps, params) == want
     assert trace["from_device"] > 5
     assert llm.engine.runner.verify_graphs.num_replays > 5
-    assert (llm.engine.spec_stats.num_accepted_tokens > 0) == (force == 1)
+    assert (llm.engine.spec.stats.num_accepted_tokens > 0) == (force == 1)
 
 
 # -- the overlapped loop with MTP --------------------------------------------------------------
@@ -331,8 +377,11 @@ def traced(llm):
         return real_launch(batch, rows, prev)
 
     def step():
-        before = {s.seq_id: (s.num_draft_tokens, s.num_accepted_tokens)
-                  for r in engine.requests.values() for s in r.seqs}  # fmt: skip
+        before = {
+            s.seq_id: (s.num_draft_tokens, s.num_accepted_tokens)
+            for r in engine.requests.values()
+            for s in r.seqs
+        }
         out = real_step()
         for r in engine.requests.values():
             for s in r.seqs:
@@ -374,14 +423,20 @@ def check_mtp_drafts(llm, k: int) -> list[int]:
     "k,caching,budget,blocks",
     [(1, True, 8192, None), (3, True, 16, None), (2, False, 64, None), (3, True, 64, 24)],
 )
-def test_overlapped_mtp_loop_equals_the_synchronous_one(mimo_dir, reference, k, caching,
-                                                        budget, blocks):  # fmt: skip
+def test_overlapped_mtp_loop_equals_the_synchronous_one(
+    mimo_dir, reference, k, caching, budget, blocks
+):
     """Greedy MTP rows overlap: the next step takes its last token, its drafts and how far its
     positions move from the step in flight, on the device. Same tokens as without speculation
     and the same drafts as the synchronous loop (so the same acceptance), also under
     preemption."""
-    kw = dict(speculative_method="mtp", num_speculative_tokens=k, enable_prefix_caching=caching,
-              max_num_batched_tokens=budget, num_kv_blocks=blocks)  # fmt: skip
+    kw = dict(
+        speculative_method="mtp",
+        num_speculative_tokens=k,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=budget,
+        num_kv_blocks=blocks,
+    )
     sync, ov = make_llm(mimo_dir, async_scheduling=False, **kw), make_llm(mimo_dir, **kw)
     t_sync, t_ov = traced(sync), traced(ov)
     checked = check_mtp_drafts(ov, k)
@@ -495,8 +550,9 @@ def test_abort_and_stop_while_an_mtp_step_is_in_flight(mimo_dir, reference):
 # -- MTP drafts are exact -------------------------------------------------------------------------
 
 
-def reference_drafts(model, tokens: list[int], k: int, allowed: list[int] | None = None
-                     ) -> list[int]:  # fmt: skip
+def reference_drafts(
+    model, tokens: list[int], k: int, allowed: list[int] | None = None
+) -> list[int]:
     """MTP drafts for a sequence computed from scratch with plain causal attention (no paged KV):
     entry i pairs the target hidden h_i with token t_{i+1}; a chained entry pairs the previous
     entry's output with the draft it produced. `allowed`: the argmax over those ids only."""
@@ -534,9 +590,14 @@ def test_mtp_drafts_equal_a_from_scratch_computation(mimo_dir, k, caching, budge
     rejected slots, chained lookahead) gives the same drafts as recomputing from scratch."""
     # The synchronous loop: the host holds each step's drafts (the overlapped loop keeps them on
     # the device; the test below compares the two loops' acceptance).
-    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=k,
-                   enable_prefix_caching=caching, max_num_batched_tokens=budget,
-                   async_scheduling=False)  # fmt: skip
+    llm = make_llm(
+        mimo_dir,
+        speculative_method="mtp",
+        num_speculative_tokens=k,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=budget,
+        async_scheduling=False,
+    )
     engine = llm.engine
     for i, p in enumerate(prompts(4)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -568,13 +629,22 @@ def test_token_map_drafts_only_its_ids_and_stays_lossless(mimo_dir, reference, t
     is unchanged, so outputs equal speculation off."""
     hot = list(range(VOCAB - 1, -1, -3))
     token_map = write_map(tmp_path, hot)
-    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=2,
-                   speculative_token_map=token_map)  # fmt: skip
+    llm = make_llm(
+        mimo_dir,
+        speculative_method="mtp",
+        num_speculative_tokens=2,
+        speculative_token_map=token_map,
+    )
     assert run(llm, prompts()) == reference
-    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert llm.engine.spec.stats.num_draft_tokens > 0
 
-    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
-                   speculative_token_map=token_map, async_scheduling=False)  # fmt: skip
+    llm = make_llm(
+        mimo_dir,
+        speculative_method="mtp",
+        num_speculative_tokens=3,
+        speculative_token_map=token_map,
+        async_scheduling=False,
+    )
     engine = llm.engine
     for i, p in enumerate(prompts(3)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
@@ -592,27 +662,45 @@ def test_token_map_drafts_only_its_ids_and_stays_lossless(mimo_dir, reference, t
 def test_token_map_with_chunks_and_preemption_is_lossless(mimo_dir, reference, tmp_path):
     """A map changes only which drafts the head proposes: chunked prefill (budget 16), KV
     pressure (preemption) and the prefix cache keep speculation-off's tokens."""
-    llm = make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=3,
-                   speculative_token_map=write_map(tmp_path, list(range(0, VOCAB, 2))),
-                   max_num_batched_tokens=16, num_kv_blocks=24)  # fmt: skip
+    llm = make_llm(
+        mimo_dir,
+        speculative_method="mtp",
+        num_speculative_tokens=3,
+        speculative_token_map=write_map(tmp_path, list(range(0, VOCAB, 2))),
+        max_num_batched_tokens=16,
+        num_kv_blocks=24,
+    )
     assert run(llm, prompts()) == reference
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert llm.engine.spec.stats.num_draft_tokens > 0
 
 
 def test_token_map_errors(mimo_dir, tmp_path):
-    from tinyserve.spec_decode import load_token_map
+    from tinyserve.spec.token_map import load_token_map
 
     with pytest.raises(InvalidConfig, match="speculative_token_map: applies to .*mtp"):
-        LLM(None, speculative_method="ngram", num_speculative_tokens=2,
-            speculative_token_map=write_map(tmp_path, [1]))  # fmt: skip
-    bad = {"missing.json": None, "text.json": "not json", "dict.json": {"ids": [1]},
-           "empty.json": [], "range.json": [1, VOCAB], "negative.json": [-1], "bool.json": [True],
-           "float.json": [1.5], "twice.json": [3, 4, 3]}  # fmt: skip
+        LLM(
+            None,
+            speculative_method="ngram",
+            num_speculative_tokens=2,
+            speculative_token_map=write_map(tmp_path, [1]),
+        )
+    bad = {
+        "missing.json": None,
+        "text.json": "not json",
+        "dict.json": {"ids": [1]},
+        "empty.json": [],
+        "range.json": [1, VOCAB],
+        "negative.json": [-1],
+        "bool.json": [True],
+        "float.json": [1.5],
+        "twice.json": [3, 4, 3],
+    }
     for name, content in bad.items():
         if content is not None:
-            (tmp_path / name).write_text(content if isinstance(content, str) else
-                                         json.dumps(content))  # fmt: skip
+            (tmp_path / name).write_text(
+                content if isinstance(content, str) else json.dumps(content)
+            )
         with pytest.raises(InvalidConfig, match="speculative_token_map") as e:
             load_token_map(str(tmp_path / name), VOCAB)
         assert name in str(e.value)
@@ -621,8 +709,12 @@ def test_token_map_errors(mimo_dir, tmp_path):
         load_token_map(str(tmp_path / "sglang.pt"), VOCAB)
     assert load_token_map(write_map(tmp_path, [5, 2], "ok.json"), VOCAB).tolist() == [5, 2]
     with pytest.raises(InvalidConfig, match="not a token id"):  # checked before any weights load
-        make_llm(mimo_dir, speculative_method="mtp", num_speculative_tokens=1,
-                 speculative_token_map=write_map(tmp_path, [VOCAB + 5]))  # fmt: skip
+        make_llm(
+            mimo_dir,
+            speculative_method="mtp",
+            num_speculative_tokens=1,
+            speculative_token_map=write_map(tmp_path, [VOCAB + 5]),
+        )
 
 
 # -- the real model ------------------------------------------------------------------------------
@@ -645,23 +737,32 @@ def test_ngram_on_smollm2_is_lossless_and_served_with_metrics(smollm2_path, smol
 
     params = SamplingParams(temperature=0, max_tokens=48)
     ref = smollm2_llm.chat([{"role": "user", "content": EDIT}], params, use_tqdm=False)[0]
-    llm = LLM(smollm2_path, dtype="float32", device="cpu", speculative_method="ngram",
-              num_speculative_tokens=4, num_kv_blocks=256)  # fmt: skip
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        device="cpu",
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        num_kv_blocks=256,
+    )
     out = llm.chat([{"role": "user", "content": EDIT}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert out.num_accepted_tokens > out.num_draft_tokens / 3 > 0
 
     async def scrape():
         async with serving(llm.engine) as client:
-            body = {"messages": [{"role": "user", "content": EDIT}], "max_tokens": 48,
-                    "temperature": 0, "stream": True}  # fmt: skip
+            body = {
+                "messages": [{"role": "user", "content": EDIT}],
+                "max_tokens": 48,
+                "temperature": 0,
+                "stream": True,
+            }
             r = await client.post("/v1/chat/completions", json=body)
             text = await r.text()
             return text, await (await client.get("/metrics")).text()
 
     stream, metrics = asyncio.run(scrape())
-    pieces = [json.loads(line[6:]) for line in stream.splitlines()
-              if line.startswith("data: {")]  # fmt: skip
+    pieces = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
     text = "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p["choices"])
     assert text == ref.outputs[0].text
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
@@ -688,8 +789,8 @@ def word_tokenizer_dir(tmp_path):
 
 
 def test_build_token_map_takes_specials_the_most_frequent_then_the_lowest_ids(tmp_path):
-    from tinyserve.spec_decode import build_token_map
-    from tinyserve.tokenizer import Tokenizer
+    from tinyserve.model.tokenizer import Tokenizer
+    from tinyserve.spec.token_map import build_token_map
 
     tok = Tokenizer.from_pretrained(word_tokenizer_dir(tmp_path))
     lines = ["c c c b\n", "d b e\n", "c\n"]  # c 4, b 2, d 1, e 1 (tie: the lower id first)
@@ -704,13 +805,21 @@ def test_token_map_command_writes_a_map_the_engine_reads(tmp_path):
     from click.testing import CliRunner
 
     from tinyserve.cli import main
-    from tinyserve.spec_decode import load_token_map
+    from tinyserve.spec.token_map import load_token_map
 
     model = word_tokenizer_dir(tmp_path)
     (tmp_path / "corpus.txt").write_text("a b a\nb a e\n")
     out = tmp_path / "map.json"
-    args = ["token-map", "--model", str(model), "--size", "3", "--out", str(out),
-            str(tmp_path / "corpus.txt")]  # fmt: skip
+    args = [
+        "token-map",
+        "--model",
+        str(model),
+        "--size",
+        "3",
+        "--out",
+        str(out),
+        str(tmp_path / "corpus.txt"),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert load_token_map(str(out), 7).tolist() == [0, 2, 3]
@@ -718,17 +827,24 @@ def test_token_map_command_writes_a_map_the_engine_reads(tmp_path):
     assert bad.exit_code != 0 and "cannot load the tokenizer" in bad.output
 
 
-@pytest.mark.parametrize(("method", "k", "max_len"), [
-    ("mtp", 1, None), ("mtp", 3, None), ("ngram", 2, None), ("mtp", 3, 8), ("mtp", 3, 4),
-    (None, 0, None),  # an enforce_eager engine's (no speculation: decode rows beside a chunk)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "k", "max_len"),
+    [
+        ("mtp", 1, None),
+        ("mtp", 3, None),
+        ("ngram", 2, None),
+        ("mtp", 3, 8),
+        ("mtp", 3, 4),
+        (None, 0, None),  # an enforce_eager engine's (no speculation: decode rows beside a chunk)
+    ],
+)
 def test_warm_up_steps_write_only_the_scratch_block(mimo_dir, reference, method, k, max_len):
     """Start-up's eager warm-up steps (`warmup.run_eager_steps`; on the GPU they compile the
     kernel variants eager steps take) run the real launch path on sequences of the scratch
     block: every other KV block stays as it was, the pool is untouched, and outputs after them
     are the engine's usual ones. Short context limits take the steps that fit (8 tokens: chunks
     of up to 4), none where a row and its drafts do not fit (4 tokens with k = 3)."""
-    from tinyserve.warmup import run_eager_steps
+    from tinyserve.runner.warmup import run_eager_steps
 
     spec = dict(speculative_method=method, num_speculative_tokens=k) if method else {}
     llm = make_llm(mimo_dir, max_num_seqs=40, max_model_len=max_len, **spec)

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from tinyserve.gguf import default_gguf_path
-from tinyserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tinyserve.model.gguf import default_gguf_path
+from tinyserve.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 TINY_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('bad role') }}{% endif %}"

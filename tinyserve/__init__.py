@@ -1,7 +1,7 @@
 """tinyserve: a compact LLM inference server (paged KV, continuous batching, Triton kernels).
 
-The public names load lazily so that `import tinyserve.scheduler` (or the CLI's --help) does not
-pull in torch and the model code.
+The public names load lazily so that `import tinyserve.core.scheduler` (or the CLI's --help)
+does not pull in torch and the model code.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ _EXPORTS = {
     "InvalidParameter": "tinyserve.sampling_params",
     "RequestOutput": "tinyserve.outputs",
     "CompletionOutput": "tinyserve.outputs",
-    "AsyncEngine": "tinyserve.async_engine",
+    "AsyncEngine": "tinyserve.engine.async_engine",
 }
 __all__ = list(_EXPORTS)
 

@@ -22,47 +22,110 @@ def engine_options(f):
     """Engine flags shared by the commands that load a model (names map 1:1 onto EngineConfig)."""
     opts = [
         click.option("--model", default=None, help="HF model directory (default: SmolLM2-135M)."),
-        click.option("--dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                     help="Weights and KV dtype; auto follows the checkpoint and the device."),
-        click.option("--max-model-len", type=int, default=None,
-                     help="Context length (default: the model's, capped by the KV capacity)."),
-        click.option("--max-num-seqs", type=int, default=256, show_default=True,
-                     help="Most sequences in one batch."),
-        click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
-                     help="Token budget of one engine step (prefill chunks + decodes)."),
-        click.option("--block-size", type=int, default=16, show_default=True,
-                     help="Tokens per KV block (a power of two)."),
+        click.option(
+            "--dtype",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            help="Weights and KV dtype; auto follows the checkpoint and the device.",
+        ),
+        click.option(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="Context length (default: the model's, capped by the KV capacity).",
+        ),
+        click.option(
+            "--max-num-seqs",
+            type=int,
+            default=256,
+            show_default=True,
+            help="Most sequences in one batch.",
+        ),
+        click.option(
+            "--max-num-batched-tokens",
+            type=int,
+            default=8192,
+            show_default=True,
+            help="Token budget of one engine step (prefill chunks + decodes).",
+        ),
+        click.option(
+            "--block-size",
+            type=int,
+            default=16,
+            show_default=True,
+            help="Tokens per KV block (a power of two).",
+        ),
         click.option("--num-kv-blocks", type=int, default=None, help="Override KV pool size."),
-        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
-                     help="Fraction of GPU memory for weights, activations and the KV cache."),
-        click.option("--load-format", default="auto", show_default=True,
-                     type=click.Choice(["auto", "dummy"]),
-                     help="auto: the checkpoint's safetensors; dummy: seeded random weights."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Seed for requests that do not set one (and dummy weights)."),
+        click.option(
+            "--gpu-memory-utilization",
+            type=float,
+            default=0.9,
+            show_default=True,
+            help="Fraction of GPU memory for weights, activations and the KV cache.",
+        ),
+        click.option(
+            "--load-format",
+            default="auto",
+            show_default=True,
+            type=click.Choice(["auto", "dummy"]),
+            help="auto: the checkpoint's safetensors; dummy: seeded random weights.",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Seed for requests that do not set one (and dummy weights).",
+        ),
         click.option("--device", default=None, help="cuda or cpu (default: cuda if available)."),
-        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
-                     show_default=True, help="Reuse the KV of committed prompt/answer prefixes."),
+        click.option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            default=True,
+            show_default=True,
+            help="Reuse the KV of committed prompt/answer prefixes.",
+        ),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
-        click.option("--async-scheduling/--no-async-scheduling", default=None,
-                     help="Overlap: launch step N+1 while step N's tokens are read back "
-                          "(default: on with CUDA, off on the CPU)."),
-        click.option("--speculative-method", type=click.Choice(["mtp", "ngram"]), default=None,
-                     help="Speculative decoding: the checkpoint's MTP head, or prompt lookup."),
-        click.option("--num-speculative-tokens", type=int, default=None,
-                     help="Drafts per step (k); required with --speculative-method."),
-        click.option("--speculative-token-map", default=None,
-                     help="MTP: draft only the token ids in this JSON list (FR-Spec / "
-                          "SGLang's token map); cuts the draft's LM-head reads."),
-        click.option("--prefill-lane-tokens", type=int, default=None,
-                     help="While others decode, a long prompt's chunks of this many tokens run "
-                          "beside the steps on part of the GPU (default 4096 where it can; 0: "
-                          "off)."),
-        click.option("--prefill-lane-reserve-sms", type=int, default=None,
-                     help="SMs the prefill lane leaves to decode steps (default: half, 3/8 for "
-                          "models of 4 GiB of weights or more)."),
-    ]  # fmt: skip
+        click.option(
+            "--async-scheduling/--no-async-scheduling",
+            default=None,
+            help="Overlap: launch step N+1 while step N's tokens are read back "
+            "(default: on with CUDA, off on the CPU).",
+        ),
+        click.option(
+            "--speculative-method",
+            type=click.Choice(["mtp", "ngram"]),
+            default=None,
+            help="Speculative decoding: the checkpoint's MTP head, or prompt lookup.",
+        ),
+        click.option(
+            "--num-speculative-tokens",
+            type=int,
+            default=None,
+            help="Drafts per step (k); required with --speculative-method.",
+        ),
+        click.option(
+            "--speculative-token-map",
+            default=None,
+            help="MTP: draft only the token ids in this JSON list (FR-Spec / "
+            "SGLang's token map); cuts the draft's LM-head reads.",
+        ),
+        click.option(
+            "--prefill-lane-tokens",
+            type=int,
+            default=None,
+            help="While others decode, a long prompt's chunks of this many tokens run "
+            "beside the steps on part of the GPU (default 4096 where it can; 0: "
+            "off).",
+        ),
+        click.option(
+            "--prefill-lane-reserve-sms",
+            type=int,
+            default=None,
+            help="SMs the prefill lane leaves to decode steps (default: half, 3/8 for "
+            "models of 4 GiB of weights or more).",
+        ),
+    ]
     for opt in reversed(opts):
         f = opt(f)
     return f
@@ -85,7 +148,7 @@ ENGINE_KEYS = (
 def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwargs) -> None:
     """Stream one completion of PROMPT to stdout."""
     from tinyserve.config import EngineConfig
-    from tinyserve.engine import LLMEngine
+    from tinyserve.engine.llm_engine import LLMEngine
     from tinyserve.sampling_params import SamplingParams
 
     try:
@@ -93,10 +156,13 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
         engine = LLMEngine(EngineConfig(**{k: kwargs[k] for k in ENGINE_KEYS}))
         tok = engine.tokenizer
         ids = (
-            tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]),
-                       add_special_tokens=False)
-            if chat else prompt
-        )  # fmt: skip
+            tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": prompt}]),
+                add_special_tokens=False,
+            )
+            if chat
+            else prompt
+        )
         engine.add_request("cli", ids, params)
     except (InvalidParameter, ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
@@ -168,9 +234,9 @@ def run(**kwargs) -> None:
 
     import uvloop
 
-    from tinyserve.async_engine import AsyncEngine
     from tinyserve.config import EngineConfig
-    from tinyserve.server import ServerConfig, serve, served_names
+    from tinyserve.engine.async_engine import AsyncEngine
+    from tinyserve.serve.server import ServerConfig, serve, served_names
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
@@ -211,7 +277,7 @@ def _load_engine(config):
 
     from tqdm import tqdm
 
-    from tinyserve.engine import LLMEngine
+    from tinyserve.engine.llm_engine import LLMEngine
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(LLMEngine, config)
@@ -224,22 +290,35 @@ def _load_engine(config):
 
 
 @main.command("token-map")
-@click.option("--model", default=None, help="HF directory whose tokenizer counts (default: the "
-              "default model).")  # fmt: skip
-@click.option("--size", type=click.IntRange(min=1), default=32768, show_default=True,
-              help="How many ids the map holds (at most the vocabulary).")  # fmt: skip
-@click.option("--out", type=click.Path(dir_okay=False, writable=True), default="-",
-              show_default=True, help="Where the JSON list goes (-: stdout).")  # fmt: skip
+@click.option(
+    "--model",
+    default=None,
+    help="HF directory whose tokenizer counts (default: the default model).",
+)
+@click.option(
+    "--size",
+    type=click.IntRange(min=1),
+    default=32768,
+    show_default=True,
+    help="How many ids the map holds (at most the vocabulary).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, writable=True),
+    default="-",
+    show_default=True,
+    help="Where the JSON list goes (-: stdout).",
+)
 @click.argument("corpus", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 def token_map(model: str | None, size: int, out: str, corpus: tuple[str, ...]) -> None:
     """Write a draft token map for --speculative-token-map: SIZE token ids, the special ones,
     then the most frequent of the CORPUS text files (UTF-8; text like the served traffic), then
     the lowest ids (a BPE vocabulary's most frequent merges)."""
-    from tinyserve.spec_decode import build_token_map
-    from tinyserve.tokenizer import Tokenizer
+    from tinyserve.model.tokenizer import Tokenizer
+    from tinyserve.spec.token_map import build_token_map
 
     if model is None:
-        from tinyserve.gguf import default_model_path
+        from tinyserve.model.gguf import default_model_path
 
         model = default_model_path()
     try:
@@ -264,7 +343,7 @@ def token_map(model: str | None, size: int, out: str, corpus: tuple[str, ...]) -
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def convert(gguf_file: str, out_dir: str) -> None:
     """Convert a GGUF file into a Hugging Face directory (config, safetensors, tokenizer)."""
-    from tinyserve.gguf import convert_gguf
+    from tinyserve.model.gguf import convert_gguf
 
     click.echo(convert_gguf(gguf_file, out_dir))
 

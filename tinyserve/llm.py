@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from tqdm import tqdm
 
 from tinyserve.config import EngineConfig
-from tinyserve.engine import LLMEngine
+from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
 

@@ -1,0 +1,374 @@
+"""OpenAI request validation: JSON bodies -> (prompts, SamplingParams), or an `APIError`.
+
+Everything a client controls is checked here before any tokenizer or engine work: types, ranges,
+caps (n, stop, logprobs, logit_bias, prompts), and a character-count guard that rejects prompts
+that cannot fit the context without tokenizing them. Errors carry OpenAI's `param` and `code`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+
+MAX_N = 16  # choices per prompt; each one is a sequence in the batch
+MAX_PROMPTS = 16  # prompts in one /v1/completions batch
+MAX_STOP = 4  # OpenAI's cap
+MAX_STOP_CHARS = 256  # the detokenizer holds back up to this many characters while streaming
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's cap
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_INT_KEY = re.compile(r"-?[0-9]{1,12}")
+
+# Sampling fields passed straight to SamplingParams, which range-checks them (vLLM names).
+_SAMPLING_KEYS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+)
+
+
+class APIError(Exception):
+    """An error the client gets as `{"error": {message, type, param, code}}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
+        self.headers = headers or {}
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{what} is not supported by this server", param, "unsupported_parameter")
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What validation needs to know about the served model."""
+
+    names: tuple[str, ...]  # accepted `model` values; names[0] is reported in responses
+    max_model_len: int
+    vocab_size: int
+    # The longest vocabulary entry in characters: a text of C characters is at least
+    # C / max_token_chars tokens (byte-level BPE: one char per byte), so longer texts are
+    # rejected before the tokenizer runs.
+    max_token_chars: int
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    model: str
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs; else entries per token (0 = sampled only)
+    messages: list[dict[str, str]] | None = None  # chat
+    prompts: list[str | list[int]] | None = None  # completions: text or token ids
+    max_tokens_param: str = "max_tokens"  # the field the client used, named in errors
+    cache_salt: str | None = None  # vLLM's per-tenant prefix-cache isolation
+
+
+def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
+    body = _object(body)
+    if body.get("tools") or body.get("functions"):
+        raise unsupported("tools", "tool calling")
+    if body.get("tool_choice") not in (None, "none"):
+        raise unsupported("tool_choice", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", "response_format other than text")
+    logprobs = _optional(body, "logprobs", bool, "a boolean")
+    top = _optional(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "top_logprobs requires logprobs to be true")
+    messages = _messages(body.get("messages"), info)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
+    req = _common(body, info, key or "max_tokens", (top or 0) if logprobs else None)
+    req.messages = messages
+    return req
+
+
+def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
+    body = _object(body)
+    if body.get("echo") not in (None, False):
+        raise unsupported("echo", "echo")
+    if body.get("suffix") is not None:
+        raise unsupported("suffix", "suffix")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise unsupported("best_of", "best_of > n")
+    logprobs = _optional(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}] or null")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null")
+    prompts = _prompts(body.get("prompt"), info)
+    req = _common(body, info, "max_tokens", logprobs)
+    req.prompts = prompts
+    return req
+
+
+def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> GenerateRequest:
+    model = body.get("model")
+    if model is None:
+        model = info.names[0]
+    elif not isinstance(model, str):
+        raise bad("model", "model must be a string")
+    elif model not in info.names:
+        shown = model if len(model) <= 64 else model[:61] + "..."
+        raise APIError(404, f"The model {shown!r} does not exist.", "model", "model_not_found")
+    stream = _optional(body, "stream", bool, "a boolean") or False
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise bad("stream_options", "stream_options is only allowed when stream is true")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options", "stream_options must be an object")
+    include_usage = _optional(options or {}, "include_usage", bool, "a boolean", "stream_options")
+    n = body.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        raise bad("n", f"n must be at most {MAX_N}, got {n}")  # before anything is allocated
+    _check_logit_bias(body.get("logit_bias"), info.vocab_size)
+    kwargs = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    if body.get("logit_bias"):
+        kwargs["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
+    if max_key in body:
+        kwargs["max_tokens"] = body[max_key]
+    else:
+        kwargs["max_tokens"] = None  # OpenAI's default: up to the context limit
+    kwargs["stop"] = _stop(body.get("stop"))
+    kwargs["stop_token_ids"] = _stop_token_ids(body.get("stop_token_ids"), info.vocab_size)
+    try:
+        params = SamplingParams(**kwargs, logprobs=top)
+    except InvalidParameter as e:
+        param = {"max_tokens": max_key, "logprobs": "top_logprobs" if top else "logprobs"}
+        raise bad(param.get(e.param, e.param), str(e).replace("max_tokens", max_key)) from None
+    if params.temperature > MAX_TEMPERATURE:
+        raise bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE}]")
+    salt = _optional(body, "cache_salt", str, "a string")
+    if salt is not None and not 0 < len(salt) <= 256:
+        raise bad("cache_salt", "cache_salt must be a non-empty string of at most 256 characters")
+    return GenerateRequest(
+        model,
+        params,
+        stream,
+        bool(include_usage),
+        top,
+        max_tokens_param=max_key,
+        cache_salt=salt,
+    )
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    return body
+
+
+def _optional(body: dict, key: str, kind: type, allowed: str, param: str | None = None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise bad(param or key, f"{key} must be {allowed}")
+    return value
+
+
+def _messages(value: Any, info: ModelInfo) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages", "messages must be a non-empty list of messages")
+    out, num_chars = [], 0
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad("messages", f"messages[{i}] must be an object with a role in {ROLES}")
+        content = _content(m.get("content"), i)
+        msg = {"role": m["role"], "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        num_chars += len(content)
+        out.append(msg)
+    check_num_chars(num_chars, info, "messages")
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad("messages", f"messages[{i}].content: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise bad("messages", f"messages[{i}].content: a text part needs a string text")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str) or not content:
+        raise bad("messages", f"messages[{i}].content must be a non-empty string")
+    return content
+
+
+def _prompts(value: Any, info: ModelInfo) -> list[str | list[int]]:
+    if isinstance(value, str) or (isinstance(value, list) and value and _is_ids(value)):
+        prompts = [value]
+    elif isinstance(value, list) and value and len(value) <= MAX_PROMPTS:
+        prompts = value
+    else:
+        raise bad(
+            "prompt",
+            f"prompt must be a non-empty string, token ids, or a list of up to "
+            f"{MAX_PROMPTS} of either",
+        )
+    for p in prompts:
+        if isinstance(p, str) and p:
+            check_num_chars(len(p), info, "prompt")
+        elif not (isinstance(p, list) and p and _is_ids(p)):
+            raise bad("prompt", "each prompt must be a non-empty string or list of token ids")
+        elif not all(0 <= t < info.vocab_size for t in p):
+            raise bad("prompt", f"token ids must be in [0, {info.vocab_size})")
+    return prompts
+
+
+def _is_ids(value: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def check_num_chars(num_chars: int, info: ModelInfo, param: str) -> None:
+    """The tokenizer-cost guard: reject text that must exceed the context, without encoding it."""
+    at_least = num_chars // info.max_token_chars
+    if at_least > info.max_model_len:
+        raise bad(
+            param,
+            f"This model's maximum context length is {info.max_model_len} tokens. However, your "
+            f"{param} ({num_chars} characters) resulted in more than {at_least} tokens. Please "
+            f"reduce the length of the {param}.",
+            "context_length_exceeded",
+        )
+
+
+def check_context(
+    num_prompt_tokens: int, req: GenerateRequest, info: ModelInfo, clamp: bool
+) -> SamplingParams:
+    """OpenAI's context check on the tokenized prompt; returns the params to run with."""
+    params, limit = req.params, info.max_model_len
+    room = limit - num_prompt_tokens
+    if room > 0 and (params.max_tokens is None or params.max_tokens <= room):
+        return params
+    if clamp and room > 0:
+        return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    asked = params.max_tokens or 0
+    raise bad(
+        req.max_tokens_param if room > 0 else ("messages" if req.messages else "prompt"),
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the messages, {asked} in "
+        f"the completion). Please reduce the length of the messages or completion.",
+        "context_length_exceeded",
+    )
+
+
+def _stop(value: Any) -> list[str] | None:
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return None
+    if not isinstance(stops, list) or len(stops) > MAX_STOP:
+        raise bad("stop", f"stop must be a string or a list of at most {MAX_STOP} strings")
+    if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def _stop_token_ids(value: Any, vocab_size: int) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS or not _is_ids(value):
+        raise bad(
+            "stop_token_ids",
+            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+        )
+    if not all(0 <= t < vocab_size for t in value):
+        raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
+    return value
+
+
+def _check_logit_bias(value: Any, vocab_size: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise bad(
+            "logit_bias",
+            f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]",
+        )
+    bad_keys = [
+        k
+        for k, v in value.items()
+        if not (_INT_KEY.fullmatch(k) and 0 <= int(k) < vocab_size)
+        or isinstance(v, bool)
+        or not isinstance(v, numbers.Real)
+        or not (math.isfinite(v) and -100 <= v <= 100)
+    ]
+    if bad_keys:
+        shown = ", ".join(repr(k if len(k) <= 16 else k[:13] + "...") for k in bad_keys)
+        raise bad(
+            "logit_bias",
+            f"invalid logit_bias entries (keys must be token ids in "
+            f"[0, {vocab_size}), values numbers in [-100, 100]): {shown}",
+        )
+
+
+def parse_tokenize(body: Any, info: ModelInfo) -> tuple[str | list[dict[str, str]], bool]:
+    """/tokenize: {"prompt": str} or {"messages": [...]} -> (text or messages, add_special)."""
+    body = _object(body)
+    add_special = _optional(body, "add_special_tokens", bool, "a boolean")
+    if "messages" in body:
+        return _messages(body["messages"], info), bool(add_special)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad("prompt", "prompt must be a string (or send messages)")
+    check_num_chars(len(prompt), info, "prompt")
+    return prompt, add_special is not False
+
+
+def parse_detokenize(body: Any, info: ModelInfo) -> list[int]:
+    tokens = _object(body).get("tokens")
+    if not isinstance(tokens, list) or not _is_ids(tokens):
+        raise bad("tokens", "tokens must be a list of token ids")
+    if len(tokens) > info.max_model_len or not all(0 <= t < info.vocab_size for t in tokens):
+        raise bad(
+            "tokens", f"tokens must be at most {info.max_model_len} ids in [0, {info.vocab_size})"
+        )
+    return tokens

@@ -1,0 +1,187 @@
+"""OpenAI response bodies and SSE chunks built from the engine's CompletionOutputs.
+
+Chat: `chat.completion` / `chat.completion.chunk` (role first, then content, finish_reason on the
+last chunk of each choice). Completions: `text_completion`. Logprobs follow each API's own shape;
+-inf is clamped to -9999.0 (as vLLM) because JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tinyserve.model.tokenizer import Tokenizer
+from tinyserve.outputs import CompletionOutput
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+class ResponseBuilder:
+    """Builds the bodies of one request (chat or completion); ids and timestamps are fixed."""
+
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        created: int,
+        model: str,
+        tokenizer: Tokenizer,
+        top_logprobs: int | None,
+        include_usage: bool,
+    ) -> None:
+        self.chat, self.id, self.created, self.model = chat, request_id, created, model
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+        self.include_usage = include_usage
+        self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # -- non-streaming ----------------------------------------------------------------------
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], use: dict) -> dict:
+        if self.chat:
+            body = self._head("chat.completion")
+            body["choices"] = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._logprobs(i, o),
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                for i, o in choices
+            ]
+        else:
+            body = self._head("text_completion")
+            body["choices"] = [
+                {
+                    "index": i,
+                    "text": o.text,
+                    "logprobs": self._logprobs(i, o),
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                for i, o in choices
+            ]
+        body["usage"] = use
+        return body
+
+    # -- streaming ----------------------------------------------------------------------------
+
+    def role_chunk(self, index: int) -> bytes:
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
+
+    def delta_chunk(self, index: int, o: CompletionOutput) -> bytes:
+        """One choice's step as an SSE chunk; b"" when there is nothing to tell."""
+        logprobs = self._logprobs(index, o)
+        # Nothing to tell: text held back (a stop string may be forming, half a character).
+        # A model without a tokenizer has no text at all: each step's chunk still goes out.
+        tokenless = self.tokenizer is None and o.token_ids
+        if not o.text and o.finish_reason is None and logprobs is None and not tokenless:
+            return b""
+        delta = {"content": o.text} if (o.text or not self.chat) else {}
+        return self._chunk(index, delta, o.finish_reason, logprobs, o.stop_reason)
+
+    def _chunk(self, index, delta, finish_reason, logprobs, stop_reason=None) -> bytes:
+        if self.chat:
+            body = self._head("chat.completion.chunk")
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        else:
+            body = self._head("text_completion")
+            choice = {
+                "index": index,
+                "text": delta.get("content", ""),
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        body["choices"] = [choice]
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self, use: dict) -> bytes:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = use
+        return sse(body)
+
+    # -- logprobs -----------------------------------------------------------------------------
+
+    def _logprobs(self, index: int, o: CompletionOutput) -> dict | None:
+        if self.top_logprobs is None or o.logprobs is None:
+            return None
+        decode = self._token_text
+        k = self.top_logprobs
+        if self.chat:
+            content = []
+            for tid, entry in zip(o.token_ids, o.logprobs):
+                text = decode(tid)
+                top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": _clamp(entry[tid]),
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (t := decode(i)),
+                                "logprob": _clamp(lp),
+                                "bytes": list(t.encode()),
+                            }
+                            for i, lp in top
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = self.text_offsets.get(index, 0)
+        for tid, entry in zip(o.token_ids, o.logprobs):
+            text = decode(tid)
+            tokens.append(text)
+            token_logprobs.append(_clamp(entry[tid]))
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            tops.append({decode(i): _clamp(lp) for i, lp in top})
+            offsets.append(offset)
+            offset += len(text)
+        self.text_offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops if k else None,
+            "text_offset": offsets,
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:  # token-id-only model (dummy benchmark shapes)
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0) if logprob == logprob else -9999.0
