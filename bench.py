@@ -1396,7 +1396,7 @@ def _spec_ngram_cpu(path: str, args) -> dict:
             "identical_to_plain": ids == ref,
         }
         if k:
-            s = llm.engine.spec_stats
+            s = llm.engine.spec.stats
             r["acceptance"] = s.num_accepted_tokens / max(1, s.num_draft_tokens)
             r["mean_accepted_length"] = s.mean_accepted_length
             r["speedup"] = r["out_tok_per_s"] / res["rows"][0]["out_tok_per_s"]
