@@ -176,9 +176,9 @@ def test_invalid_requests_raise_typed_errors(smollm2_llm):
 
 def test_start_up_compiles_every_prefill_tile_one_pass_and_split(smollm2_llm, monkeypatch):
     """Each tile an eager step can take, in its one-pass and key-split variants: one left out
-    would compile mid-step beside decoding streams and stall them all (1.76 s on an H100)."""
-    from tinyserve.runner import warmup
+    would compile mid-step beside decoding streams and stall them all (BENCHMARKS.md)."""
     from tinyserve.kernels.prefill_attention import prefill_tiles
+    from tinyserve.runner import warmup
 
     runner, launched = smollm2_llm.engine.runner, set()
 
@@ -273,8 +273,8 @@ def test_start_up_compiles_every_decode_kernel_variant(smollm2_llm, monkeypatch,
     size's): one pass or key splits, the short split's tile, a grid of at most two waves or
     more (the early fetch), at one query a row and, with k drafts, at the verify step's k + 1;
     and the merge's tile for up to 16, 32 and 64 splits."""
-    from tinyserve.runner import warmup
     from tinyserve.kernels._common import next_pow2, num_sms
+    from tinyserve.runner import warmup
     from tinyserve.runner.graph_shapes import SHORT_SPLIT_BLOCK_N
 
     runner, kernels, merges = smollm2_llm.engine.runner, set(), set()

@@ -4,21 +4,13 @@ commits and aborts are tested here; the GPU test compares the graph lane on its 
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-from test_overlap import CONFIG, VOCAB, make_llm, outputs
+from overlap_helpers import VOCAB, make_llm, outputs
 
 from tinyserve import SamplingParams
 from tinyserve.config import EngineConfig, InvalidConfig
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    return str(path)
 
 
 def lane_workload(seed: int = 0, long_len: int = 150):
@@ -84,8 +76,8 @@ def test_lane_runs_only_beside_decoding_rows_and_leaves_the_last_chunk(model_dir
         batch_seqs = engine._in_flight.batch.seqs if engine._in_flight else []
         assert not (seq.lane_tokens and seq in batch_seqs)
     # Admitted by a step (15 tokens beside the decode row), then lane chunks 15-47, 47-79 and
-    # 79-99 (padded to 32), one launch a step (a launch is ~1 ms of host time on the H100:
-    # two in one step made it a slowest step); the last token goes through a step.
+    # 79-99 (padded to 32), one launch a step (a launch costs host time: two in one step made
+    # it a slowest step); the last token goes through a step.
     rows = []  # the long prompt's rows in the steps after the admission
     while "long" in engine.requests:
         engine.step()
@@ -221,22 +213,21 @@ def test_lane_takes_prompts_longer_than_a_step_and_stays_inside_max_model_len(mo
 def test_default_reserve_leaves_half_the_sms_to_small_models_and_3_8_to_large_ones():
     """A small model's decode step (hundreds of short kernels) needs SMs; a large one's streams
     its weights, which fewer SMs still pull, while its prefill needs every SM it can get
-    (H100: llama-3.1-8b's TTFT 2.14x -> 1.74x with 50 SMs kept, its ITL 1.85x, under 2x)."""
+    (3/8 kept the large model's ITL and TTFT ratios under 2x on the H100: BENCHMARKS.md)."""
     from tinyserve.runner.prefill_lane import default_reserve_sms
 
     assert default_reserve_sms(132, weight_bytes=1_200_000_000) == 66  # qwen3-0.6b
     assert default_reserve_sms(132, weight_bytes=16_000_000_000) == 50  # llama-3.1-8b
     assert default_reserve_sms(78, weight_bytes=16_000_000_000) == 30
-    # The H100's copy rate (where 3/8 was measured) or less: the same count.
+    # The H100's copy rate (where 3/8 was chosen) or less: the same count.
     assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=2.9e12) == 50
     assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=1.0e12) == 50
 
 
 def test_default_reserve_grows_with_the_memory_rate_for_large_models():
     """The kept SMs must pull the decode's weight stream within the ITL budget of a control step
-    that a faster memory makes shorter: H200 (same 132 SMs, ~4.3 TB/s copy), llama-3.1-8b,
-    ITL p99 / TTFT ratios 2.43x / 1.71x with 50 kept, 2.31x / 1.82x with 58, 1.89x / 2.06x
-    with 66. Never more than half: small models' rule."""
+    that a faster memory makes shorter (on the H200, llama-3.1-8b needed 66 of 132 SMs kept:
+    BENCHMARKS.md). Never more than half: small models' rule."""
     from tinyserve.runner.prefill_lane import default_reserve_sms
 
     assert default_reserve_sms(132, 16_000_000_000, copy_bytes_per_s=4.3e12) == 66

@@ -359,9 +359,9 @@ def test_22_fatal_engine_error_health_503_and_exit_code_1(engine, monkeypatch):
 
 
 def test_serve_freezes_the_start_up_heap_while_it_serves(engine):
-    """A full garbage collection walks every live object: ~195k once SmolLM2 is loaded, 55 ms on
-    this CPU, in which no stream steps. serve() moves them out of the collector's reach when
-    the engine is up (gc.freeze) and hands them back when it returns."""
+    """A full garbage collection walks every live object (~195k once SmolLM2 is loaded), and
+    no stream steps meanwhile. serve() moves them out of the collector's reach when the engine
+    is up (gc.freeze) and hands them back when it returns."""
 
     async def in_serve():
         server, _ = await serve_in_process(engine)
