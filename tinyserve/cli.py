@@ -227,9 +227,25 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     show_default=True,
     help="Largest request body accepted (413 above).",
 )
+@click.option(
+    "--allowed-host",
+    multiple=True,
+    help="Host header name served besides localhost and IP addresses (repeatable; "
+    "'.example.com' also allows its subdomains, '*' any name). Others get 400: a guard against "
+    "DNS rebinding, by which a web page reaches a server on 127.0.0.1.",
+)
+@click.option(
+    "--header-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds a client has to send a request's headers, counted from the connect or its "
+    "previous response (slowloris); idle keep-alive connections close after it too.",
+)
 def run(**kwargs) -> None:
     """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics, /tokenize, /detokenize."""
+    /health, /metrics, /tokenize, /detokenize. POST bodies must be sent with 'Content-Type:
+    application/json' (415 otherwise), so that no web page can post one without CORS."""
     import logging
 
     import uvloop

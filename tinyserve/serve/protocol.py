@@ -7,7 +7,6 @@ that cannot fit the context without tokenizing them. Errors carry OpenAI's `para
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 from dataclasses import dataclass, replace
@@ -39,6 +38,16 @@ _SAMPLING_KEYS = (
     "min_tokens",
     "ignore_eos",
     "skip_special_tokens",
+)
+# The real-valued ones: SamplingParams calls float() on them, which an integer past ~1.8e308
+# (JSON allows 400 digits) overflows.
+_REAL_KEYS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 
@@ -164,8 +173,11 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
     include_usage = _optional(options or {}, "include_usage", bool, "a boolean", "stream_options")
     n = body.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
-        raise bad("n", f"n must be at most {MAX_N}, got {n}")  # before anything is allocated
+        raise bad("n", f"n must be at most {MAX_N}")  # before anything is allocated
     _check_logit_bias(body.get("logit_bias"), info.vocab_size)
+    for key in _REAL_KEYS:
+        if not _fits_float(body.get(key)):
+            raise bad(key, f"{key} must be a finite number")
     kwargs = {k: body[k] for k in _SAMPLING_KEYS if k in body}
     if body.get("logit_bias"):
         kwargs["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
@@ -194,6 +206,15 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         max_tokens_param=max_key,
         cache_salt=salt,
     )
+
+
+def _fits_float(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            return False
+    return True
 
 
 def _object(body: Any) -> dict:
@@ -339,7 +360,7 @@ def _check_logit_bias(value: Any, vocab_size: int) -> None:
         if not (_INT_KEY.fullmatch(k) and 0 <= int(k) < vocab_size)
         or isinstance(v, bool)
         or not isinstance(v, numbers.Real)
-        or not (math.isfinite(v) and -100 <= v <= 100)
+        or not -100 <= v <= 100  # NaN compares False; an int of any size compares exactly
     ]
     if bad_keys:
         shown = ", ".join(repr(k if len(k) <= 16 else k[:13] + "...") for k in bad_keys)

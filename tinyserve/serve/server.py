@@ -32,8 +32,11 @@ from tinyserve.serve.flight import Flight
 from tinyserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.serve.middleware import (
     PUBLIC_ROUTE,
+    ClientErrorLog,
+    Unrouted,
     cors_headers,
     errors,
+    expect_continue_later,
     gate,
     json_response,
     read_json,
@@ -63,12 +66,23 @@ class ServerConfig:
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish after SIGTERM
     clamp_max_tokens: bool = False  # shrink max_tokens to fit the context instead of a 400
     max_body_bytes: int = 1 << 20
+    # Host header names served besides local ones (DNS rebinding guard): exact names,
+    # ".example.com" for it and its subdomains, "*" for any.
+    allowed_host: tuple[str, ...] = ()
+    # Seconds a client has to send a request's headers, from the connect or its previous
+    # response (slowloris); an idle keep-alive connection is closed after it too.
+    header_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         self.served_model_name = tuple(self.served_model_name)
         self.allowed_origin = tuple(self.allowed_origin)
+        self.allowed_host = tuple(h.strip().lower() for h in self.allowed_host)
         if "*" in self.allowed_origin:
             raise ValueError("allowed_origin: list origins explicitly ('*' is not allowed)")
+        if not all(self.allowed_host):
+            raise ValueError("allowed_host: names must be non-empty")
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout}")
         for name, low in [
             ("max_waiting", 1),
             ("max_body_bytes", 1),
@@ -143,18 +157,35 @@ STATE = web.AppKey("state", ServerState)
 def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     st = ServerState(engine, config)
     reject = functools.partial(st.metrics.count, "rejected")
-    middlewares = [gate(config.api_key, config.allowed_origin, reject), errors(st.metrics.count)]
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    hosts = config.allowed_host + (config.host.lower(),)  # the bound name, when it is one
+    middlewares = [
+        gate(config.api_key, config.allowed_origin, hosts, reject),
+        errors(st.metrics.count),
+    ]
+    # Arguments of each connection's aiohttp RequestHandler, wherever the app runs (serve(),
+    # TestServer). read_json decodes Content-Encoding itself (OpenAI-shaped errors, a bounded
+    # inflate). aiohttp's keep-alive timer is armed at the connect and after each response and
+    # closes a connection still waiting for a complete request: the header timeout.
+    handler_args = {
+        "auto_decompress": False,
+        "keepalive_timeout": config.header_timeout,
+        "logger": ClientErrorLog(logging.getLogger("aiohttp.server")),
+    }
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=middlewares, handler_args=handler_args
+    )
     app[STATE] = st
     r = app.router
-    r.add_post("/v1/chat/completions", chat_completions)
-    r.add_post("/v1/completions", completions)
-    r.add_get("/v1/models", models)
-    r.add_get("/v1/models/{model}", model_card)
-    r.add_get("/health", health, name=PUBLIC_ROUTE)
-    r.add_get("/metrics", metrics)
-    r.add_post("/tokenize", tokenize)
-    r.add_post("/detokenize", detokenize)
+    expect = {"expect_handler": expect_continue_later}  # 100 Continue only once the checks pass
+    r.add_post("/v1/chat/completions", chat_completions, **expect)
+    r.add_post("/v1/completions", completions, **expect)
+    r.add_get("/v1/models", models, **expect)
+    r.add_get("/v1/models/{model}", model_card, **expect)
+    r.add_get("/health", health, name=PUBLIC_ROUTE, **expect)
+    r.add_get("/metrics", metrics, **expect)
+    r.add_post("/tokenize", tokenize, **expect)
+    r.add_post("/detokenize", detokenize, **expect)
+    r.register_resource(Unrouted(r))  # last: 404 / 405 with the same Expect handler
     app.on_response_prepare.append(cors_headers(config.allowed_origin))
     return app
 
