@@ -46,8 +46,8 @@ def _cuda_shared_memory(index: int) -> int:
 
 
 def shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one program may opt into (227 KB on an H100); the interpreter has
-    no limit, so it gets an H100's."""
+    """Bytes of shared memory one program may opt into (227 KB on Hopper); the interpreter has
+    no limit, so it gets Hopper's."""
     if device.type != "cuda":
         return 232448
     return _cuda_shared_memory(_index(device))

@@ -8,9 +8,8 @@ depends on shapes and the split count only (CUDA-graph safe). Under PDL, when th
 one wave (~2 programs an SM: batch 1's 8 kv heads x 32 splits), a program fetches its first
 tile of earlier keys before waiting on the kernel before (which writes q and this step's keys),
 so short splits (`graph_shapes.decode_tiling`: 32-key tiles) are nearly free on a batch-1 step's
-chain. A larger grid waits first: there the early fetch cost MiMo-7B's batch-64 step 2.6% (H200,
-5.39 vs 5.25 ms) and gave batch 1 1.4% (4.04 vs 4.10 ms). H100, bf16, batch 64 x 4k tokens,
-with the early fetch: 389 us, 93% of the measured copy bandwidth.
+chain. A larger grid waits first: there the early fetch cost a batch-64 step 2.6%. Batch 64 x
+4k tokens reads KV at 93% of the device's copy bandwidth (BENCHMARKS.md, kernels).
 
 Shared prefixes (cascade attention) are attended once per group by shared_prefix_attention.py,
 into the first slots of the split partials that the merge here combines.
@@ -125,8 +124,8 @@ def _decode_kernel(
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + b * stride_bt
     # One split (the common decode step) runs straight through: a runtime branch around it cost
-    # batch-64 attention 8-13% (H100, an earlier version). Several splits may hold empty ones (a
-    # short row's beside a long row, past its context), which skip the reads.
+    # batch-64 attention 8-13%. Several splits may hold empty ones (a short row's beside a long
+    # row, past its context), which skip the reads.
     if ONE_PASS:
         m_i, l_i, acc = _attend_split(
             m_i, l_i, acc, q_ptr, k_base, v_base, bt_row, start, end, first_new, token, heads,
@@ -193,7 +192,7 @@ MIN_SPLIT_KEYS = 128  # a GPU-filling split count keeps at least this many keys 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device) -> int:
     """The smallest power-of-two split count whose programs fill the last wave of ~2 resident
-    programs per SM to >= 90% (H100: batch 64 x 8 kv heads -> 1, batch 1 -> 32), keeping at
+    programs per SM to >= 90% (132 SMs: batch 64 x 8 kv heads -> 1, batch 1 -> 32), keeping at
     least MIN_SPLIT_KEYS tokens per split; the best-filled count when none reaches 90%."""
     slots = 2 * num_sms(device)
     best, best_fill = 1, 0.0

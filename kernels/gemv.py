@@ -9,8 +9,7 @@ its "split" form also divides K among programs (float32 partials, then a fixed-o
 which a decoder layer leaves to the next norm: `SplitSum`), which fills the SMs for down
 projections at 33-128 rows; "tma" (`gemv_tma`, Hopper) is the dot product with W and x fetched
 through tensor descriptors. `gemv_config` says which one (or cuBLAS) a shape takes, and its
-tiles. Split-K at 1-32 rows was measured and dropped: it lost 5-45% at every Qwen3-0.6B /
-Llama-3.1-8B shape, tall-thin ones included.
+tiles. No split-K at 1-32 rows: it lost 5-45% at every 0.6B-8B shape, tall-thin ones included.
 """
 
 from __future__ import annotations
@@ -114,9 +113,8 @@ def _gemv_stream_kernel(
     w_rows = w_ptr + n_c[:, None] * stride_wn
     if ONE_TILE:  # K <= BLOCK_K
         # One tile: W is never written while decoding, so it is fetched before waiting on the
-        # kernel before (PDL), and its DRAM latency overlaps that kernel's tail. H100 latency:
-        # Qwen3-0.6B 1,137 -> 1,197 tok/s, Llama-3.2-1B 834 -> 844. Fetching the first of
-        # several tiles early too gave Qwen3-0.6B 1,249 but cost Llama-3.2-1B 2%, 8B 1%.
+        # kernel before (PDL), and its DRAM latency overlaps that kernel's tail (1-5% tok/s at
+        # batch 1). Fetching the first of several tiles early too cost 1-2% at 1B-8B.
         w = _load_tile(w_rows + kk[None, :], kk, K, EVEN_K)
         pdl_sync(USE_PDL)
         acc, sum_sq = _stream_step(
@@ -173,7 +171,7 @@ def _gemv_dot_kernel(
         up_rows = 0
     end = tl.minimum(lo + ROWS, N)
     # MASK_X: rows of the tile past M load zeros. Pointing them at row M - 1 instead made them
-    # all re-read one address: 1.3-1.7x slower at 40-112 rows than at 64 or 128 (H200).
+    # all re-read one address: 1.3-1.7x slower at 40-112 rows than at 64 or 128.
     x_rows = (m < M)[:, None]
     n_c = (tl.minimum(n, end - 1) + up_rows).to(tl.int64)  # a partial last tile re-reads its
     w_rows = (n < end)[:, None]  # last row; w_rows all true unless MASK_ROWS

@@ -1,7 +1,7 @@
 """Which kernel and tiles a decode matmul takes (`gemv.py` runs them): `gemv_method` picks the
 stream kernel, the dot kernel, its split-K form or cuBLAS for an (M, K) x (N, K)^T shape, and the
-`*_config` / `stream_stages` functions pick tiles and pipeline depth. Every rule was measured on
-an H100 or H200 (bf16, CUDA-graph replays); each says where its numbers are (BENCHMARKS.md).
+`*_config` / `stream_stages` functions pick tiles and pipeline depth. Each rule is the fastest
+found in bf16 CUDA-graph replays and engine steps; the numbers are in BENCHMARKS.md (kernels).
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ import triton
 
 from ._common import next_pow2, num_sms, shared_memory
 
-# The dot kernel's for any W: at 48-64 rows it lost up to 29% to cuBLAS alone (H100); in the
+# The dot kernel's for any W: past it cuBLAS wins alone (by up to 29% at 48-64 rows); in the
 # step some 33-64-row shapes still gain from it or from split-K (`gemv_method`).
 MAX_ROWS = 32
 WIDE_N = 16384  # ...but for W this wide (gate_up of 1B-8B models, LM heads) it wins to 64 rows
 HEAD_N = 32768  # W this wide is an LM head (or a 32k draft head)
-LARGE_K = 4096  # 7-8B models' hidden size: their few-row rules were measured on the H200
+LARGE_K = 4096  # 7-8B models' hidden size: they have few-row rules of their own
 MAX_DOT_ROWS = 64  # x is one tile of at most this many rows
-MAX_SPLIT_ROWS = 128  # the split-K form's, for down projections (measured at 64 and 128 rows)
+MAX_SPLIT_ROWS = 128  # the split-K form's, for down projections (tried up to 128 rows)
 MAX_STREAM_ROWS = 16  # the stream kernel keeps an (M, BLOCK_N, BLOCK_K) fp32 accumulator
 # A 7-8B model's qkv (K >= 4096, K < N < WIDE_N) at 33-64 rows stays on cuBLAS up to this many
-# rows: the dot kernel runs a 64-row x tile at 33-64 rows alike, cuBLAS got slower past 48.
-# H200, plain steady steps, ms, cuBLAS -> dot: Llama-3.1-8B batch 48 5.15 -> 5.25, batch 64 4.99
-# -> 4.95; MiMo-7B 4.96 -> 5.03 and 4.90 -> 4.84 (BENCHMARKS.md, fortieth session).
+# rows: the dot kernel runs a 64-row x tile at 33-64 rows alike, cuBLAS gets slower past 48.
 CUBLAS_QKV_ROWS = 48
 
 
@@ -36,31 +34,27 @@ def stream_config(m: int, n: int, k: int, device: torch.device, prologue: int = 
     A prologue (1: norm, 2: gated) reads x in every program, so each takes more W rows."""
     block_m = next_pow2(m)
     if prologue == 2 and m > 1:  # all of x (M x 2K) a program: 8 W rows, 8K products a step.
-        # H100, M = 2: MiMo-7B down 41.6 -> 37.6 us, Llama-3.1-8B 52.1 -> 45.9, Qwen3-0.6B
-        # 20.1 -> 6.6 (it took the rule below: 4 rows x 4096, a tile that spills). At M = 1
-        # this rule measured 3% slower end to end on Qwen3-0.6B (1,101 vs 1,133 tok/s), though
-        # faster alone, so M = 1 keeps the rule below.
+        # Faster at M = 2 (3x where the rule below's 4 x 4096 tile spills). At M = 1 it is
+        # faster alone but 3% slower end to end, so M = 1 keeps the rule below.
         return 8, min(next_pow2(k), 8192 // (8 * block_m))
     if block_m == 2 and k >= LARGE_K and not prologue:  # 7-8B models' attention in / out
-        # With 3 stages (`stream_stages`). H200, MiMo-7B at two rows, us a call: attention out
-        # 11.3 -> 10.8, eh_proj 19.2 -> 18.3 (16 x 512, was 4 x 512); qkv 16.7 (cuBLAS) -> 15.9
-        # (4 x 256); MTP k=1 batch-1 step 4.44 -> 4.34 ms (BENCHMARKS.md, thirtieth session).
+        # With 3 stages (`stream_stages`): 16 x 512 is 5% faster than 4 x 512; qkv's 4 x 256
+        # beats cuBLAS by 5%.
         return (16, 512) if n <= k else (4, 256)
-    if block_m == 1 and n >= HEAD_N:  # LM heads, 16 x 256 before. H100: Qwen3-0.6B's 105.8
-        return 8, min(next_pow2(k), 1024)  # -> 104.9 us, Llama-3.2-1B 173.8 -> 169.9, 8B 346 -> 340
-    # One row, no prologue: at least 2 W rows a program (Qwen3-0.6B's attention out: 3.17 ->
-    # 2.90 us). Not with a prologue: its down projection's 1 x 4096 step (one tile) would halve.
+    if block_m == 1 and n >= HEAD_N:  # LM heads: 1-2% faster than 16 x 256
+        return 8, min(next_pow2(k), 1024)
+    # One row, no prologue: at least 2 W rows a program (9% faster at Qwen3-0.6B's attention
+    # out). Not with a prologue: its down projection's 1 x 4096 step (one tile) would halve.
     block_n = 2 if block_m == 1 and not prologue else 1
     while block_n < 16 and triton.cdiv(n, 2 * block_n) >= 4 * num_sms(device):
         block_n *= 2
-    # 4K products a step for one or two rows: H200, M = 2, MiMo-7B's attention out 13.1 -> 11.7
-    # us (4 x 512, was 4 x 1024), eh_proj 22.0 -> 20.4 (BENCHMARKS.md, twenty-ninth session).
+    # 4K products a step for one or two rows (7-11% faster than 8K at MiMo-7B's 4k-wide W).
     per_step = 4096 // (block_m * block_n) if block_m <= 2 else 8192 // (block_m * block_n)
     block_k = min(next_pow2(k), max(64, per_step))
-    if prologue:  # rows per program measured best at 4 (gated) / 8 (norm)
+    if prologue:  # rows per program: best at 4 (gated) / 8 (norm)
         block_n = max(block_n, 4 if prologue == 2 else 8)
         if block_n * next_pow2(k) <= 8192:  # one tile, fetched before the PDL wait (below):
-            block_k = next_pow2(k)  # H100, Qwen3-0.6B gate_up 7.7-7.9 -> 6.1-6.3 us (was 8 x 512)
+            block_k = next_pow2(k)  # Qwen3-0.6B's gate_up: 20% faster than 8 x 512
     return block_n, block_k
 
 
@@ -68,13 +62,11 @@ def stream_stages(m: int, k: int, block_n: int, block_k: int, itemsize: int,
                   device: torch.device) -> int:
     """W tiles a stream program keeps in flight: 3 (2 fetched ahead, through shared memory) once
     it loops over 16 or more K tiles, or for two rows at K >= 4096; else 1 (fetch, then use).
-    H200, MiMo-7B, us a call: gate_up at 1 row 48.4 -> 44.6-44.8 (16 tiles), gated down at 2 rows
-    28.2 -> 25.0 (22 tiles), attention out at 2 rows in 16 x 512 tiles 12.8 -> 10.8 (8 tiles);
-    short loops at one row gain nothing or lose (attention out, 4 tiles: 9.6 -> 10.2;
-    BENCHMARKS.md, thirtieth session). Without the loop's own stage count Triton pipelines only
-    the loads that feed a tl.dot, so this kernel's never were. The 3 stages of W and x tiles
-    (x: up to 3 rows' worth per row, for [gate | up] and a residual) must fit in shared memory:
-    float32 16 x 512 tiles do not on a ~100 KB consumer card."""
+    Those loops gain 8-16%; short loops at one row gain nothing or lose 6%. Without the loop's
+    own stage count Triton pipelines only the loads that feed a tl.dot, so this kernel's never
+    were. The 3 stages of W and x tiles (x: up to 3 rows' worth per row, for [gate | up] and a
+    residual) must fit in shared memory: float32 16 x 512 tiles do not on a ~100 KB consumer
+    card."""
     long_loop = triton.cdiv(k, block_k) >= 16 or (m == 2 and k >= LARGE_K)
     tiles = 3 * (block_n + 3 * next_pow2(m) + 1) * block_k * itemsize
     return 3 if long_loop and tiles <= shared_memory(device) else 1
@@ -98,10 +90,9 @@ def x_tile(m: int) -> tuple[int, bool]:
 def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> DotTiles:
     """The widest W tile that still gives every other SM a program (128 x 128, 64 x 128 or 32 x
     256), as many stages in flight as shared memory holds, up to 5 (or more, so that a program
-    holds an SM alone: `_fit_pipeline`). H100, bf16, M = 2..16, against the old ~2 programs per SM
-    and 4 stages: MiMo-7B qkv 35.3 -> 20.3 us, gate_up 66.2 -> 64.0 us, LM heads 0.5-1% faster; a
-    deep pipeline over few programs streams W faster than many shallow ones (`scratch` sweeps in
-    BENCHMARKS.md). Wide W whose 128-row tiles leave the last wave on few SMs: `_balanced`."""
+    holds an SM alone: `_fit_pipeline`): a deep pipeline over few programs streams W faster than
+    many shallow ones (MiMo-7B's qkv: 1.7x over ~2 programs an SM and 4 stages). Wide W whose
+    128-row tiles leave the last wave on few SMs: `_balanced`."""
     sms, block_n = num_sms(device), 128
     fill = _last_wave_fill(n, 128, sms)
     if m <= MAX_ROWS and WIDE_N <= n < HEAD_N and n <= 256 * sms and fill < 0.8:
@@ -109,10 +100,8 @@ def dot_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device)
     while block_n > 32 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
     if m > 8 and block_n == 128 and _last_wave_fill(n, 64, sms) > fill:
-        # A 128-wide program holds an SM alone, so a last wave on few SMs streams its W slowly.
-        # H200, MiMo-7B gate_up at 64 rows (172 programs of 128, the second wave on 40 SMs):
-        # steady decode steps at batch 64 5.31 -> 5.14 ms (twenty-eighth session); balanced
-        # rows there measured 5.00 -> 5.05-5.06 ms (thirty-second session).
+        # A 128-wide program holds an SM alone, so a last wave on few SMs streams its W slowly
+        # (MiMo-7B's gate_up at 64 rows: 3% a step; `_balanced` rows lose there).
         block_n = 64
     block_k = 256 if block_n == 32 else 128
     block_k, stages = _fit_pipeline(m, block_n, block_k, dtype, device, max_stages=5)
@@ -123,14 +112,10 @@ def _balanced(m: int, n: int, dtype: torch.dtype, device: torch.device) -> DotTi
     """Two programs an SM, one wave, each over an equal run of W rows (cdiv(N, 2 x SMs), its tile
     padded to a power of two with masked rows, which are never fetched), 64-wide K steps, as
     many stages as two programs' share of shared memory holds (at most 5), 8 warps. A 128-row
-    tile gives MiMo-7B's gate_up (N = 22,016) 172 programs: a second wave on 40 SMs. H200, us a
-    call (CUDA graphs, W rotated out of L2), against the 128-row tile (64-row from 9 rows):
-    2 rows 46.2 -> 44.3, 3 46.8 -> 44.0, 4 46.4 -> 44.3, 8 46.4 -> 44.7, 16 45.5 -> 45.2, 32
-    46.9 -> 45.9; with 4 warps or 4 stages it lost 0-5 us. Steady MiMo-7B steps: MTP k=1 batch
-    1 4.345 -> 4.28 ms, plain batch 2 4.125 -> 4.05, 32 4.40 -> 4.37; at 64 rows it won alone
-    (49.5 -> 47.9 us) but lost in the step (BENCHMARKS.md, thirty-second session), hence up to
-    MAX_ROWS. Llama-3.1-8B's 28,672 (224 programs of 128) gained at most 1.4 us alone, so only a
-    last wave under 80% full takes this. At most 128 rows a program (N <= 256 x SMs)."""
+    tile gives MiMo-7B's gate_up (N = 22,016) 172 programs: a second wave on 40 of 132 SMs;
+    this one is 1-6% faster there at 2-32 rows (4 warps or 4 stages lose). At 64 rows it wins
+    alone but loses in the step, hence up to MAX_ROWS; a last wave over 80% full (Llama-3.1-8B's
+    28,672) gains too little. At most 128 rows a program (N <= 256 x SMs)."""
     rows = triton.cdiv(n, 2 * num_sms(device))
     block_n, block_k = max(16, next_pow2(rows)), 64
     stage = (block_n + x_tile(m)[0]) * block_k * dtype.itemsize
@@ -152,11 +137,9 @@ def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device
 
     The 32- and 64-wide tiles and split-K make grids of about one program an SM or fewer, and
     under PDL a kernel's programs are placed while the kernel before it still runs, on the SMs
-    that have room then. Where two fitted on one SM they were stacked in pairs on part of the
-    GPU, each pair streaming W at one SM's rate. H200, MiMo-7B at 16 rows, 5 -> 6-7 stages
-    (4 -> 5-7 tiles held): plain decode batch 16 4.73 -> 4.42 ms a step; dot at 8 rows then
-    beat cuBLAS, 4.54 -> 4.30 (BENCHMARKS.md, thirty-first session). Triton holds stages - 1
-    tiles (mma v2, 32-wide W tiles) or stages (wgmma), hence the + 2."""
+    that have room then. Where two fit on one SM they are stacked in pairs on part of the GPU,
+    each pair streaming W at one SM's rate (MiMo-7B's batch-16 step: 7% slower). Triton holds
+    stages - 1 tiles (mma v2, 32-wide W tiles) or stages (wgmma), hence the + 2."""
     smem, rows = shared_memory(device), x_tile(m)[0]
     while block_k > 32 and 2 * (block_n + rows) * block_k * dtype.itemsize > smem:
         block_k //= 2
@@ -168,10 +151,8 @@ def _fit_pipeline(m: int, block_n: int, block_k: int, dtype: torch.dtype, device
 def split_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, stages, splits) of the split-K dot kernel: 64 x 128 W tiles, 4 stages (5
-    at 64 rows: `_fit_pipeline`), K split in up to 4 so the grid fills the SMs once. H100 sweep,
-    bf16, M = 64 / 128, us against cuBLAS (which splits K itself at 64 rows): MiMo-7B down 36.8 /
-    39.3 vs 38.6 / 41.3, Llama-3.1-8B down 46.1 / 50.1 vs 48.6 / 54.1, Llama-3.2-1B down 15.6 / 17.9
-    vs 18.0 / 19.7, Qwen3-0.6B down 6.2 / 7.4 vs 8.4 / 7.5 (BENCHMARKS.md, fifteenth session)."""
+    at 64 rows: `_fit_pipeline`), K split in up to 4 so the grid fills the SMs once: 1-26% over
+    cuBLAS (which splits K itself at 64 rows) at 0.6B-8B down projections, 64 and 128 rows."""
     block_n = 64
     block_k, stages = _fit_pipeline(m, block_n, 128, dtype, device, max_stages=4)
     splits = max(1, min(4, num_sms(device) // triton.cdiv(n, block_n)))
@@ -196,42 +177,33 @@ def _has_tma() -> bool:
 def _tma_pays(m: int, n: int, k: int) -> bool:
     """The tma kernel for a 7-8B gate_up ([gate; up], K >= 4096, WIDE_N <= N < HEAD_N) at 33-64
     rows whose 128-row tiles leave the last wave under 80% full (as `_balanced`'s rule), on
-    Hopper. H200, steady MiMo-7B steps (gate_up N = 22,016: 172 programs, 65%), one engine each
-    alternating tma / dot / tma / dot: MTP k=1 batch 32 (64-row verify) 4.95 / 5.00 / 4.94 /
-    5.00 ms, plain batch 64 4.86 / 4.92 / 4.86 / 4.92 (BENCHMARKS.md, thirty-seventh and
-    thirty-eighth sessions), though alone, in graph replays, the tma call measured slower (58.2
-    vs 50.9 us). Qwen3-8B's 24,576 (73%), plain steps: a tie at batch 64, 5.91 -> 5.69 ms at 48.
-    Llama-3.1-8B's 28,672 (85% full) lost alone (64.0 vs 62.0 us) and tied in steps with the
-    tma kernel forced (batches 48 and 64), so it keeps the dot kernel."""
+    Hopper: steps 1% faster at MiMo-7B's N = 22,016 (65% full), 0-4% at Qwen3-8B's 24,576 (73%),
+    though slower alone; Llama-3.1-8B's 28,672 (85%) tied, so it keeps the dot kernel."""
     if not (MAX_ROWS < m <= MAX_DOT_ROWS and WIDE_N <= n < HEAD_N and k >= LARGE_K):
         return False
     return _has_tma() and _last_wave_fill(n, 128, num_sms(_CUDA)) < 0.8
 
 
 def gemv_method(m: int, n: int, k: int) -> str | None:
-    """Which kernel runs an (M, K) x (N, K)^T matmul fastest on an H100 (bf16, CUDA-graph
-    replays, BENCHMARKS.md): "stream" for one row, and for two rows of W with N <= K (attention
-    out, down: 4-30% over the dot kernel) or of a 7-8B model's qkv (H200: 5% over cuBLAS);
-    "dot" for the rest up to MAX_ROWS rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B
-    shapes, and up to MAX_DOT_ROWS for W with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads
-    5-7% over cuBLAS); "split" (split-K dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS
-    rows, 2-26% over cuBLAS; "tma" (`gemv_tma`, Hopper) in place of "dot" for some 7-8B
-    gate_up at 33-64 rows (`_tma_pays`); for a 7-8B model (K >= LARGE_K), "split" for attention
-    out (N <= K < 2N) at 33-128 rows and "dot" for qkv at CUBLAS_QKV_ROWS-64, where they beat
-    cuBLAS in the step though not alone (PDL: a Triton kernel is placed, and fetches W, while
-    the kernel before it runs; a cuBLAS one waits for it to end); None (cuBLAS) for the rest.
-    H200, steady steps, ms, both against cuBLAS: MiMo-7B MTP k=1 batch 32 (64-row verify)
-    4.99 -> 4.84-4.86, plain batch 64 4.90 -> 4.82-4.83; Llama-3.1-8B batch 64 4.99 -> 4.92,
-    batch 48 (split only) 5.15 -> 5.12 (BENCHMARKS.md, fortieth session)."""
-    # qkv at two rows, H200, MiMo-7B: stream 15.9 us, cuBLAS 16.7, dot 18.0 (thirtieth session)
+    """Which kernel runs an (M, K) x (N, K)^T matmul fastest (bf16, CUDA-graph replays):
+    "stream" for one row, and for two rows of W with N <= K (attention out, down: 4-30% over the
+    dot kernel) or of a 7-8B model's qkv (5% over cuBLAS); "dot" for the rest up to MAX_ROWS
+    rows, 1-40% over cuBLAS at Qwen3-0.6B to Llama-3.1-8B shapes, and up to MAX_DOT_ROWS for W
+    with N >= WIDE_N (48-64 rows: gate_up 2-4%, LM heads 5-7% over cuBLAS); "split" (split-K
+    dot) for down projections (K > 2N) up to MAX_SPLIT_ROWS rows, 2-26% over cuBLAS; "tma"
+    (`gemv_tma`, Hopper) in place of "dot" for some 7-8B gate_up at 33-64 rows (`_tma_pays`);
+    for a 7-8B model (K >= LARGE_K), "split" for attention out (N <= K < 2N) at 33-128 rows and
+    "dot" for qkv at CUBLAS_QKV_ROWS-64, where they beat cuBLAS in the step though not alone
+    (PDL: a Triton kernel is placed, and fetches W, while the kernel before it runs; a cuBLAS
+    one waits for it to end: steps up to 3% faster); None (cuBLAS) for the rest."""
     if m == 1 or (m == 2 and (n <= k or (k >= LARGE_K and n < WIDE_N))):
         return "stream"
     if _tma_pays(m, n, k):
         return "tma"
     if m <= MAX_ROWS or (m <= MAX_DOT_ROWS and n >= WIDE_N):
         return "dot"
-    # A 7-8B model's attention out; MiMo-7B, H200, us alone at 80 / 96 / 128 rows: 13.2 / 13.5 /
-    # 14.0 against cuBLAS 12.4 / 15.9 / 13.9, its sum then free in the next norm.
+    # A 7-8B model's attention out: even with cuBLAS alone at 80-128 rows, its sum then free in
+    # the next norm.
     if k >= LARGE_K and n <= k < 2 * n and m <= MAX_SPLIT_ROWS:
         return "split"
     if m <= MAX_DOT_ROWS and k >= LARGE_K and k < n < WIDE_N and m > CUBLAS_QKV_ROWS:  # its qkv
@@ -247,8 +219,7 @@ def silu_mul_epilogue(m: int, n: int, k: int) -> bool:
 
 
 def norm_prologue_pays(k: int) -> bool:
-    """Where gemv(norm=...) beat rms_norm + gemv at M = 1 (H100, bf16, graph replays): K = 1024
-    (Qwen3-0.6B qkv 6.2 vs 7.1 us, gate_up 8.1 vs 8.8 us); at K = 4096 (Llama-3.1-8B) the
-    prologue's extra x / residual / weight reads per program cost more than the launch it saves
-    (qkv 24.0 vs 22.9 us, gate_up 91.9 vs 86.1 us)."""
+    """Where gemv(norm=...) beats rms_norm + gemv at M = 1: K = 1024 (8-13% faster); at K = 4096
+    the prologue's extra x / residual / weight reads per program cost more than the launch it
+    saves (5-7% slower)."""
     return k <= 2048

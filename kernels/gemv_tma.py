@@ -2,14 +2,9 @@
 W and x fetched through tensor descriptors (the copy engine, zero-filled past the edges) instead
 of per-thread pointer loads. `gemv` launches it; `gemv_config.tma_config` picks its tiles.
 
-H200, MiMo-7B gate_up (22,016 x 4,096) at 64 rows, us a call (CUDA-graph replays, W rotated out
-of L2): without the SiLU epilogue, 128 W rows x 64-wide K steps in 4 stages took 45.8-46.4
-against cuBLAS 47.3 and the dot kernel's 48.9; with it (64 gate + 64 up rows a program) 58.2
-against the dot kernel's 50.9, yet in steady steps it won: MTP k=1 batch 32 5.10 -> 5.00 ms,
-plain batch 64 5.02 -> 4.93 (`gemv_config._tma_pays`; BENCHMARKS.md, thirty-seventh session).
-Alone at 64 rows, such a kernel also beat the engine's qkv, eh_proj and draft head by 0.3-1.8 us
-(not taken: unmeasured in steps) and lost at attention out and down; at 128 rows it lost at
-every MiMo shape to cuBLAS or split-K.
+Used for a 7-8B gate_up at 33-64 rows (`gemv_config._tma_pays`): with the SiLU epilogue it is
+slower than the dot kernel alone, yet its steps are 2% faster (BENCHMARKS.md, kernels). At
+attention out and down, and at 128 rows, cuBLAS or split-K win.
 """
 
 from __future__ import annotations

@@ -162,17 +162,12 @@ TALL_MIN_ROWS = 896  # query rows (tokens x padded group) from which one chunk t
 def prefill_tile(batch: int, query_rows: int, dtype: torch.dtype, smem: int
                  ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) of a launch on the GPU. 64 x 64 tiles and 4 warps: the
-    best of 6 configs on H100 for batches of several rows (bf16, Llama-3.1-8B heads). One long
-    chunk (the prefill lane's 4,096 tokens) takes 128 x 128 tiles and 8 warps where 3 stages of
-    K and V and the query tile fit: each K/V tile then serves twice the query rows (H100,
-    qwen3-0.6b, a 32k prompt in the lane beside 64 streams: its TTFT 1.01-1.03 -> 0.92 s;
-    512-token chunks alone: the same). Per
-    call at 32k keys, 64 x 64 -> 128 x 128: a 4,096-token chunk 3,375 -> 2,952 us (qwen3-0.6b
-    heads), a 448-token one with 8 key splits 503 -> 468 us (qwen3-0.6b, 896 rows) and 898 ->
-    808 us (llama-3.1-8b heads); never slower in the cases measured. Not taken: 128 x 64 tiles
-    and 4 warps for groups of 4 query heads, faster per call at their best split counts in the
-    twenty-second session's sweep, but slower end to end where a launch has one split and few
-    tiles (llama-3.1-8b, a 32k prompt alone in 512-token chunks: 1.64 -> 1.91 s)."""
+    best of 6 configs for batches of several rows (bf16, Llama-3.1-8B heads). One long chunk
+    (the prefill lane's 4,096 tokens) takes 128 x 128 tiles and 8 warps where 3 stages of K and
+    V and the query tile fit: each K/V tile then serves twice the query rows (7-13% faster a
+    call at 32k keys, never slower; a lane prompt's TTFT 10% shorter). Not 128 x 64 tiles for
+    groups of 4 query heads: faster a call at their best split counts, but slower end to end
+    where a launch has one split and few tiles (docs/benchmark-log.md)."""
     size = dtype.itemsize
     if batch == 1 and query_rows >= TALL_MIN_ROWS and (3 * 2 + 1) * 128 * 128 * size <= smem:
         return 128, 128, 8, 3
@@ -192,9 +187,8 @@ def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads
     its keys, so a chunk of a long prompt beside short rows is a handful of programs that each
     read tens of thousands of keys while most SMs sit idle. Cut the longest program's keys until
     the step's programs fill the SMs once (two an SM for 4-warp tiles, one for 8), never more.
-    The H100 sweep's best counts sat exactly there; a count past it adds a second, mostly empty
-    wave (llama-3.1-8b heads, a 128-token chunk at 32k keys, 64 x 64 tiles, one run: 5 splits
-    409 us, 4 splits 263 us). At most 16 ways, never below MIN_SPLIT_KEYS keys a split."""
+    A sweep's best counts sat exactly there; a count past it adds a second, mostly empty wave
+    (1.5x slower). At most 16 ways, never below MIN_SPLIT_KEYS keys a split."""
     if device.type != "cuda" or not context_lens:
         return 1
     g_pad = next_pow2(num_heads // num_kv_heads)

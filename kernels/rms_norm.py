@@ -60,8 +60,8 @@ def normed_rows(x, w_ptr, cols, N, eps):
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
-    """Strides of a (T, H, N) view of t without making the view (0.8 us of host time each on
-    the CPU where it was measured): a 2-D tensor is one head per row."""
+    """Strides of a (T, H, N) view of t without making the view (~1 us of host time each): a
+    2-D tensor is one head per row."""
     s = t.stride()
     return (s[0], s[1]) if len(s) == 3 else (s[0], 0)
 
@@ -114,7 +114,7 @@ def rms_norm(
     num_heads = shape[1] if len(shape) == 3 else 1
     num_rows = shape[0] * num_heads
     block_n = next_pow2(n)
-    block_m = block_m or 1  # several rows a program measured no faster on H100, even at N=1024
+    block_m = block_m or 1  # several rows a program are no faster, even at N=1024
     if num_rows:
         _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
             x, r, weight, out, ro, bias if bias is not None else weight, num_rows, num_heads, n,

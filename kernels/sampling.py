@@ -32,9 +32,8 @@ def _counter_uniform(key, v):
 
 
 # The chunk count follows the batch, so it is no constexpr: as one, each new batch size of an
-# eager step compiled both kernels again mid-run (~0.2 s each on the H100 host). `chunk` stays
-# specialized (always a multiple of BLOCK_V: one variant): unspecialized, batch-1 decode ran
-# 0.7% slower on the H100, likely from loads that no longer know their alignment.
+# eager step would compile both kernels again mid-run (~0.2 s each). `chunk` stays specialized
+# (always a multiple of BLOCK_V: one variant): its loads then know their alignment.
 @triton.jit
 def _race_chunk_kernel(
     x_ptr, keys_ptr, greedy_ptr, best_ptr, best_idx_ptr, V, chunk, stride_x,
@@ -118,11 +117,8 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None, ids: torch.Tensor |
     """x (B, V) float32 -> (B,) int64 ids of each row's maximum, into `out` if given: the first
     on ties (torch.argmax's rule); NaN never wins (torch's would); with `ids` (V,) int64, the
     maximum v's ids[v] (a draft head's token map, without a gather kernel). The race without
-    the noise, in chunks of two tiles (`_race`). H200, CUDA-graph timed, us at V = 151,680,
-    torch.argmax / ~2 programs an SM (before) / two-tile chunks: 1 row 8.3 / 2.6 / 2.6, 16 rows
-    12.8 / 10.3 / 5.5, 32 18.5 / 17.4 / 8.6, 64 25.6 / 28.9 / 13.7, 128 36.4 / 47.4 / 24.6;
-    V = 32,768 (a draft head) at 64 rows 12.7 / 8.6 / 5.3 (BENCHMARKS.md, thirty-fifth
-    session)."""
+    the noise, in chunks of two tiles (`_race`): 1.5-3x faster than torch.argmax at a 152k
+    vocabulary, 1-128 rows (BENCHMARKS.md, kernels)."""
     check(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, "x (B, V) float32")
     check(x.shape[1] < 2**31, "vocab too large")
     if out is None:
@@ -141,10 +137,8 @@ def _race(x, keys, greedy, out, num_chunks: int | None, has_greedy: bool = False
           all_greedy: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1: the best (value, id) of each vocab chunk; pass 2: the best chunk's id, into out.
     By default chunks of two tiles, at any batch: a program's loop waits on each tile's load,
-    so the ~2 programs an SM over the batch this took before (chunks of 30 tiles at 64 rows of
-    151,680) left the memory idle. H200, CUDA-graph timed, sampled rows at V = 151,680, us,
-    those chunks / two tiles: 1 row 5.0 / 3.6, 16 21.2 / 12.3, 32 38.1 / 19.9, 64 49.6 / 36.6,
-    128 80.9 / 70.6 (BENCHMARKS.md, thirty-fifth session; the argmax's in `argmax`).
+    so ~2 programs an SM over the batch (chunks of 30 tiles at 64 rows of 151,680) leave the
+    memory idle: two-tile chunks are 1.1-1.9x faster at 1-128 rows.
     all_greedy: a plain argmax (keys and greedy are placeholders, loaded but unused)."""
     batch, vocab = x.shape
     if batch == 0:

@@ -14,7 +14,7 @@ prompt are admitted at a fraction of the walk's host time.
 
 The trie is flat maps from ints to ints and tuples, not one object per node: a cache of
 hundreds of thousands of blocks would otherwise be that many container objects for Python's
-cyclic GC to walk (measured: 10x the GC time of a cache-off run). No tensors here.
+cyclic GC to walk (10x the GC time of a cache-off run). No tensors here.
 """
 
 from __future__ import annotations

@@ -140,14 +140,14 @@ class Scheduler:
             # were sized for (max_num_batched_tokens).
             least = max(c, self.max_num_batched_tokens)
             seq = self.lane_seq = next((s for s in prefilling if s.num_uncomputed > least), None)
-        # One launch a step: a launch costs ~1 ms of host time (H100 host, a 4096-token
-        # chunk's graph), and two in one step made it the slowest step of the prompt. A chunk
-        # runs for tens of ms, so the second one in flight is launched in time a step later.
+        # One launch a step: a launch costs ~1 ms of host time (a 4096-token chunk's graph),
+        # and two in one step would make it the slowest step of the prompt. A chunk runs for
+        # tens of ms, so the second one in flight is launched in time a step later.
         if seq is not None and len(self.lane) < self.lane_depth:
             start = seq.num_kv_computed + seq.lane_tokens
             # All but the last token (its chunk samples: a step's, as a 1-token row). A
             # prompt's end chunked into the steps would cost each stream a whole chunk's
-            # forward at the longest context (25-44 ms a step on the H100).
+            # forward at the longest context (tens of ms a step).
             num = min(c, seq.num_tokens - 1 - start)
             if num < 1:
                 self.lane_seq = None  # the lane is done with it
@@ -232,8 +232,7 @@ class Scheduler:
         bs = self.pool.block_size
         tokens, tail = seq.token_ids, seq.token_ids[end - bs : end]
         # The block itself first: leaders of other prefixes differ there, and comparing whole
-        # prefixes (thousands of ids) per leader per waiting prompt cost ms a step (H100 host,
-        # 512 prompts in 16 groups).
+        # prefixes (thousands of ids) per leader per waiting prompt costs ms a step.
         return any(
             (other.num_uncomputed > 1 or other.num_kv_computed >= end)
             and other.num_committed_blocks * bs < end <= other.num_tokens

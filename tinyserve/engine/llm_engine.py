@@ -66,9 +66,8 @@ class Request:
 def _token_ids(prompt, vocab: int) -> list[int]:
     """The prompt's ids as Python ints, each in [0, vocab). array('q') checks their types in C
     (a float, a string or a list raises TypeError; an int past 64 bits, OverflowError), and
-    numpy and torch integers pass through `tolist`. A generator over a 32k-token prompt took
-    3.9-4.4 ms of the step it arrived in (H100 host), in which no stream stepped; this is ~40%
-    faster (this CPU)."""
+    numpy and torch integers pass through `tolist`. It runs inside a step, which no stream
+    advances meanwhile: ~40% faster than a generator (~4 ms for a 32k-token prompt)."""
     try:
         packed = array.array("q", prompt.tolist() if hasattr(prompt, "tolist") else prompt)
     except (TypeError, OverflowError):

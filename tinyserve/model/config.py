@@ -185,7 +185,7 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
         return getattr(torch, name)
     if device.type == "cpu":
         # Decode is bound by reading weights: bf16 halves the bytes, and oneDNN runs bf16
-        # matmuls natively on CPUs with AVX-512 BF16 / AMX (measured: BENCHMARKS.md, CPU).
+        # matmuls natively on CPUs with AVX-512 BF16 / AMX (BENCHMARKS.md, CPU).
         return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     # NOTE: fp32 checkpoints run in bf16 on the GPU, as vLLM does for 'auto'.
     cfg = model_config.torch_dtype

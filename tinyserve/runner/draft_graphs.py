@@ -21,8 +21,8 @@ class DraftGraphs:
 
     The drafts a step verifies and its KV limits come with the verify replay's inputs, in its
     one host-to-device copy (`extras`, the verify set's `extra` arrays); the step's tokens,
-    accepted counts and drafts leave in one device-to-host copy (`results`, `split`). The five
-    copies this saves took 10-18 us a step (H200, MiMo-7B; BENCHMARKS.md, forty-first session)."""
+    accepted counts and drafts leave in one device-to-host copy (`results`, `split`): five
+    fewer copies a step."""
 
     def __init__(self, verify: DecodeGraphs, draft_tokens, decode_last: torch.Tensor) -> None:
         self.verify = v = verify

@@ -28,8 +28,8 @@ def mixed_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 # Key splits of a mixed graph's prompt chunk: 1, or MIXED_SPLITS once the step would take at
-# least MIXED_SPLIT_FROM (kernels.prefill_attention.prefill_num_splits; H100, qwen3-0.6b heads,
-# 64 decode rows beside a chunk at 32k keys: 48 tokens 891 -> ~300 us, 448 tokens 897 -> ~750).
+# least MIXED_SPLIT_FROM (kernels.prefill_attention.prefill_num_splits): a chunk at 32k keys
+# beside decode rows then attends 1.2-3x faster.
 MIXED_SPLITS = 8
 MIXED_SPLIT_FROM = 4
 
@@ -45,37 +45,29 @@ def padded_size(num_seqs: int, max_num_seqs: int) -> int:
     return round_up(graph_batch_sizes(max_num_seqs), num_seqs)
 
 
-# Keys per decode split of a short context, and the kernel tile that holds them. H100, qwen3-0.6b
-# batch-1 graph replay (kernels prefetching before the PDL wait), 32-key splits in 32-key tiles
-# against 64 in 64: 0.698 vs 0.727 ms at 100 keys, 0.694 vs 0.717 at 200, 0.688 vs 0.726 at 288;
-# but one 64-key tile (no merge pass) beats two splits up to 64 keys: 0.685 vs 0.701 at 48.
+# Keys per decode split of a short context, and the kernel tile that holds them: 32-key splits in
+# 32-key tiles beat 64 in 64 by 3-5% a batch-1 step (kernels prefetching before the PDL wait);
+# but one 64-key tile (no merge pass) beats two splits up to 64 keys.
 KEYS_PER_SPLIT = 32
 SHORT_SPLIT_BLOCK_N = 32
 # A step whose longest context would give a split more than LONG_SPLIT_KEYS keys at the GPU-
 # filling count takes LONG_SPLITS splits instead, each at least LONG_MIN_SPLIT keys long, so
 # short rows use their first (the rest are empty and skip their reads) and a long row all of
 # them. Else one long row beside many short ones is read by one program per kv head, the step's
-# tail: H100, 63 rows of ~300 keys and one of 32k, decode steps of 27.0 -> 4.2 ms (qwen3-0.6b)
-# and 36.6 -> 9.6 ms (llama-3.1-8b), against 1.9 / 6.9 ms without that row (scratch/hetero.py).
+# tail: 4-6x slower steps (63 rows of ~300 keys and one of 32k).
 LONG_SPLIT_KEYS = 4096
 LONG_SPLITS = 16
 LONG_MIN_SPLIT = 512
 # Where one split already gives every SM a program (padded batch x kv heads >= SMs), a context of
 # at most ONE_SPLIT_KEYS keys takes one split: filling the last wave with more saves less than
-# their merge pass costs. H200, plain steady steps, ms a step, two splits -> one: batch 48 (384
-# programs; the GPU-filling count is 2) Llama-3.1-8B 5.39 -> 5.12 at ~150-key contexts, 5.94 ->
-# 5.62 at 370-500; Qwen3-0.6B 1.57 -> 1.37 and 2.11 -> 1.82; Qwen3-0.6B batches 80 / 112 / 144 at
-# 32-96 keys -7% / -10% / -14%, at 360-424 -6% / -11% / -9%; Llama batch 80 -3.5% / -4.4%.
+# their merge pass costs (steps 3-14% shorter at batch 48-144, 0.6B and 8B models).
 ONE_SPLIT_KEYS = 512
 # Up to LONG_ONE_SPLIT_KEYS where the last round of resident programs (RESIDENT_PROGRAMS a SM:
 # the one-split kernel holds 128 registers x 128 threads, so four fit the register file) still
 # gives every SM at least two: with fewer the tail round leaves bandwidth idle for the length of
-# one long program. Same runs, 1,024 / 2,048 / 4,096-key contexts: batch 48 (one round)
-# Qwen3-0.6B -14% / -13% / -11%, Llama -4.5% / -3% / -1.5%; batch 112 (896 = 528 + 368) Qwen
-# -7% / -3% at 1,024 / 2,048; but batch 80 (640 = 528 + 112) +3% / +9% / +10% and batch 144
-# (1,152 = 2 x 528 + 96) -3% / +4% at 1,024 / 2,048, which keep two splits past 512 keys.
-# At head dim 64 the kernel holds 72 registers (seven resident); four keeps the rule on the safe
-# side there: Llama-3.2-1B at 2,048 keys, batch 48 -5.6%, batch 112 a tie.
+# one long program (one split: steps up to 14% shorter where the rule holds, up to 10% longer
+# where it does not). At head dim 64 the kernel holds 72 registers (seven resident); four keeps
+# the rule on the safe side there.
 LONG_ONE_SPLIT_KEYS = 4096
 RESIDENT_PROGRAMS = 4
 
@@ -144,7 +136,7 @@ def decode_tiling(
 def _full_num_splits(
     num_seqs: int, max_num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device
 ) -> int:
-    """Cached: every decode step asks (12 us a call uncached on this CPU at batch 1)."""
+    """Cached: every decode step asks (~12 us of host time a call uncached)."""
     return decode_attention.default_num_splits(
         padded_size(num_seqs, max_num_seqs), num_kv_heads, max_len, device
     )

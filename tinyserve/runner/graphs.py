@@ -4,8 +4,9 @@ short context takes fewer splits: `graph_shapes`), captured once at start-up.
 A decode step of a small model is a few hundred tiny kernel launches; replaying them as one graph
 removes the launch gaps. The step's host work around the replay is kept to two host-to-device
 copies and the read-back: every per-token input lives in one static int64 buffer written by a
-single copy, the previous step's sampled ids are gathered from that buffer inside the graph (the
-overlapped loop's inputs), and the graph ends with the greedy argmax into the same buffer.
+single copy (`graph_inputs`), the previous step's sampled ids are gathered from that buffer
+inside the graph (the overlapped loop's inputs), and the graph ends with the greedy argmax into
+the same buffer.
 
 Padded rows write their KV into a scratch block (the last block of the cache, never handed out by
 the pool) and attend to it only, so they cannot disturb real sequences. `query_len` > 1 captures
@@ -27,9 +28,8 @@ import torch
 from tinyserve.kernels.prefill_attention import prefill_num_splits
 from tinyserve.model.layers.attention import AttentionMetadata, forward_context
 from tinyserve.model.layers.cascade import plan_shared_prefixes
-from tinyserve.runner import (
-    graph_shapes,
-)  # split rules, looked up per call: the runner's eager steps too
+from tinyserve.runner import graph_shapes  # split rules, read per call as eager steps read them
+from tinyserve.runner.graph_inputs import GraphInputs
 from tinyserve.runner.graph_shapes import (
     MIXED_SPLIT_FROM,
     MIXED_SPLITS,
@@ -38,12 +38,11 @@ from tinyserve.runner.graph_shapes import (
     round_up,
 )
 from tinyserve.sample.sampler import greedy
-from tinyserve.sample.transfer import host_array
 
 SHARED_MIN_BATCH = 16  # smaller batches keep one graph per size (half the captures)
 
 
-class DecodeGraphs:
+class DecodeGraphs(GraphInputs):
     """`prefill=True` captures one sequence of up to query_len prompt tokens instead (padded at
     the end; the logits are its last real token's only).
 
@@ -87,29 +86,7 @@ class DecodeGraphs:
             self.sizes = (mixed_batch_sizes if mixed else graph_batch_sizes)(max_num_seqs)
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
-        # One int64 buffer: the last step's sampled ids (n * q), then a replay's inputs, laid
-        # out per padded size bs (m tokens, s sequences; `_layout`): ids (m), gather index (m),
-        # positions (m), slots (m), logits rows (s; prefill and mixed), context lengths (s
-        # int32s), query starts (s + 1 int32s; mixed). The graph's input ids are
-        # buffer[gather]: a host-known id points at its own entry, a token still on the device
-        # at the previous step's sampled row. A decode set that mixed graphs share (max_chunk:
-        # their longest chunk) holds their layouts too.
-        # A verify set's step also brings its speculative bookkeeping in the same copy, right
-        # after the size's inputs (`run`'s `extra`: the drafts, KV limits and the overlapped
-        # loop's shift entries, up to 7 q + 1 words a row, each array 16-byte aligned).
-        self.extra_words = 0 if prefill or mixed or q == 1 else (7 * q + 1) * n + 2 * 9
-        if share is not None:
-            self.base, self.buffer = share.base, share.buffer
-            self.block_tables = share.block_tables
-        else:
-            self.base = n * q
-            size = max(self._layout(n)[2], self._layout(n, max_chunk)[2] if max_chunk else 0)
-            size += self.extra_words
-            self.buffer = torch.zeros(self.base + size, dtype=torch.long, device=dev)
-            self.block_tables = torch.full(
-                (n + 1, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev
-            )
-        self.last_sampled = self.buffer[: self.base]
+        self._init_inputs(max_blocks_per_seq, scratch_block, max_chunk, share, dev)
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
         if mixed:  # the chunk's query starts (the step's are an input of each replay)
@@ -202,40 +179,6 @@ class DecodeGraphs:
             keys += [(bs, False, 1 << i) for i in range(full.bit_length() - 1)]
         keys += [(bs, False, s) for s in long]
         return keys + [(bs, True, full)] * (bs in self.shared_sizes)
-
-    def _layout(self, bs: int, chunk: int | None = None) -> tuple[int, int, int]:
-        """(tokens, sequences, int64 entries) of padded size bs; `chunk`: a mixed layout's."""
-        if chunk is None:
-            chunk = self.query_len if self.mixed else 0
-        m, seqs = (bs + chunk, bs + 1) if chunk else (bs * self.query_len, bs)
-        return m, seqs, 4 * m + seqs + -(-seqs // 2) + (-(-(seqs + 1) // 2) if chunk else 0)
-
-    def _extra_offsets(self, bs: int, sizes: list[int]) -> tuple[list[int], int]:
-        """Buffer offsets of `extra` arrays of these sizes after size bs's inputs, and the end."""
-        start = self.base + self._layout(bs)[2]
-        offsets, end = [], start + (start % 2 if sizes else 0)
-        for n in sizes:
-            offsets.append(end)
-            end += -(-n // 2) * 2  # 16-byte aligned, as a fresh allocation (Triton specializes)
-        assert end - start <= self.extra_words, "extra too large"
-        return offsets, end
-
-    def extra_views(self, num_seqs: int, sizes: list[int]) -> list[torch.Tensor]:
-        """Device views of the `extra` arrays a `run` of num_seqs rows copies (sizes as given)."""
-        offsets, _ = self._extra_offsets(round_up(self.sizes, num_seqs), sizes)
-        return [self.buffer[o : o + n] for o, n in zip(offsets, sizes)]
-
-    def fields(self, bs: int) -> list[torch.Tensor]:
-        """Views of the buffer for padded size bs: ids, gather, positions, slots, logits rows
-        (int64), then the context lengths and (mixed) the query starts as int32 (the kernels'
-        dtype: no conversion)."""
-        m, seqs, size = self._layout(bs)
-        start = self.base
-        fields = list(self.buffer[start : start + 4 * m + seqs].split([m, m, m, m, seqs]))
-        start += 4 * m + seqs
-        ctx = self.buffer[start : start + -(-seqs // 2)].view(torch.int32)[:seqs]
-        cu = self.buffer[start + -(-seqs // 2) : self.base + size].view(torch.int32)[: seqs + 1]
-        return fields + [ctx, cu]
 
     def _run(
         self,
@@ -363,30 +306,12 @@ class DecodeGraphs:
             return self._replay_mixed(input_ids, positions, slots, context_lens, tables, pending)
         b, q = len(context_lens), self.query_len
         bs = round_up(self.sizes, b)
-        m, n = bs * q, len(input_ids)
+        n = len(input_ids)
         host_ctx = list(context_lens)
         if self.prefill:  # queries are a row's last q positions: padding goes after the chunk
             host_ctx[0] += q - n
         pin = self.buffer.is_cuda  # pinned host memory: the copies are async
-        size = self._layout(bs)[2]
-        offsets, end = self._extra_offsets(bs, [len(e) for e in extra])
-        host = torch.empty(end - self.base, dtype=torch.long, pin_memory=pin)
-        a = host.numpy()
-        for e, o in zip(extra, offsets):
-            a[o - self.base : o - self.base + len(e)] = e
-        a[:n], a[n:m] = input_ids, 0
-        a[m : 2 * m] = np.arange(self.base, self.base + m)
-        a[m + np.asarray(pending[0], dtype=np.int64)] = pending[1]
-        a[2 * m : 2 * m + n], a[2 * m + n : 3 * m] = positions, 0
-        a[3 * m : 3 * m + n], a[3 * m + n : 4 * m] = slots, self.scratch_slot
-        a[4 * m : 4 * m + bs] = n - 1  # the logits row of a prefill graph
-        ctx = a[4 * m + bs : size].view(np.int32)
-        ctx[:b], ctx[b:] = host_ctx, q
-        self.buffer[self.base : end].copy_(host, non_blocking=True)
-        # Columns past the width and padded rows may hold stale ids: only read (never written)
-        # and only up to context_lens, so they are harmless.
-        host_tables = host_array(tables, torch.int32, pin)
-        self.block_tables[:b, : tables.shape[1]].copy_(host_tables, non_blocking=True)
+        ctx = self._stage(bs, input_ids, positions, slots, host_ctx, tables, pending, extra, pin)
         if fix is not None:
             ids, _, dev_positions, dev_slots, _, dev_ctx, _ = self.fields(bs)
             fix(ids, dev_positions, dev_slots, dev_ctx, self.block_tables[:bs])
@@ -420,31 +345,9 @@ class DecodeGraphs:
         last token's: the caller keeps the rows it samples)."""
         d, q = len(context_lens) - 1, self.query_len
         bs = next(s for s in self.sizes if s >= d)
-        m, seqs, size = self._layout(bs)
         c = len(input_ids) - d
-        at = np.r_[np.arange(d), np.arange(bs, bs + c)]  # host token i -> its buffer slot
         pin = self.buffer.is_cuda  # pinned host memory: the copies are async
-        host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
-        a = host.numpy()
-        ids, gather, pos, slot = (a[i * m : (i + 1) * m] for i in range(4))
-        ids[at] = input_ids
-        gather[:] = np.arange(self.base, self.base + m)
-        gather[at[np.asarray(pending[0], dtype=np.int64)]] = pending[1]
-        pos[at] = positions
-        slot[:] = self.scratch_slot
-        slot[at] = slots
-        rows = a[4 * m : 4 * m + seqs]
-        rows[:d], rows[d] = np.arange(d), bs + c - 1  # the sampled rows first; then token 0
-        ctx = a[4 * m + seqs :].view(np.int32)
-        ctx[:d], ctx[d:bs] = context_lens[:d], 1
-        ctx[bs] = context_lens[d] + q - c  # padding goes after the chunk
-        cu = ctx[-(-seqs // 2) * 2 :][: seqs + 1]
-        cu[: bs + 1], cu[bs + 1] = np.arange(bs + 1), bs + q
-        self.buffer[self.base : self.base + len(a)].copy_(host, non_blocking=True)
-        host_tables = host_array(tables, torch.int32, pin)
-        w = tables.shape[1]
-        self.block_tables[:d, :w].copy_(host_tables[:d], non_blocking=True)
-        self.block_tables[bs, :w].copy_(host_tables[d], non_blocking=True)
+        ctx = self._stage_mixed(bs, input_ids, positions, slots, context_lens, tables, pending, pin)
         # The decode rows' count follows their longest context, as a decode step's does: a long
         # row among them is read by all of a long count's splits, not one program a kv head.
         full, longest = self._num_splits(bs), self._num_splits(bs, max(context_lens[:d]))
@@ -453,8 +356,7 @@ class DecodeGraphs:
         if self.capture:
             self.graphs[key].replay()
         else:
-            host_ctx = ctx[:seqs].tolist()
-            self.outputs[key] = self._run(*key, host_ctx)
+            self.outputs[key] = self._run(*key, ctx.tolist())
         self.num_replays += 1
         hidden, logits = self.outputs[key]
         return hidden[bs : bs + c], logits[: d + 1]
@@ -462,8 +364,7 @@ class DecodeGraphs:
     def _mixed_splits(self, chunk: int, context_len: int) -> int:
         """The captured split count nearest to what the padded chunk alone would take: the
         decode rows run their own kernel, so counting them (as an eager mixed step's single
-        kernel does) kept a 128-token chunk at 24-32k keys on 1 split (llama-3.1-8b, H100:
-        ~85 TFLOP/s)."""
+        kernel does) kept a 128-token chunk at 24-32k keys on 1 split."""
         s = prefill_num_splits(
             [chunk],
             [context_len],

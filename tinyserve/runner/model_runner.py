@@ -70,7 +70,7 @@ class ModelRunner:
             # Engines dropped earlier in this process (notebooks, tests) may still hold memory
             # through reference cycles, or leave it cached: free and return it before loading,
             # or the weights land inside a dead KV cache's segment, which then cannot be
-            # returned, and the new KV cache does not fit (seen on the H100).
+            # returned, and the new KV cache does not fit.
             gc.collect()
             torch.cuda.empty_cache()
         token_map = None
@@ -157,8 +157,7 @@ class ModelRunner:
     def capture_prefill_graphs(self, capture: bool) -> None:
         """Prompt-chunk graphs: one sequence's chunk, and a chunk beside decode rows (a long
         prompt chunked while others decode). Launched kernel by kernel such a forward is
-        host-bound: H100, 32 tokens alone: qwen3-0.6b 15-21 ms to the first token, for ~1.2 ms
-        of GPU work; 64 decode rows beside a 448-token chunk: ~20 ms a step."""
+        host-bound: a 32-token prompt of a 0.6B model waits 15-21 ms for ~1.2 ms of GPU work."""
         from tinyserve.runner.graph_shapes import prefill_graph_lengths
         from tinyserve.runner.graphs import DecodeGraphs
 

@@ -1,12 +1,11 @@
 """The prefill lane: a long prompt's chunks run beside the decode steps, not inside them.
 
 Chunked into the steps (decode rows + one chunk), a 32k-token prompt makes every stream's
-inter-token gap as long as its chunk's forward: 25-44 ms at the end of the prompt (H100,
-qwen3-0.6b / llama-3.1-8b, 64 streams), against 1.8 / 6.7 ms without it. Here its chunks run
+inter-token gap as long as its chunk's forward: 6-14x the gap without it. Here its chunks run
 on a second CUDA stream instead, one captured graph of `chunk` tokens each, on a green context
 that leaves `reserve_sms` SMs to the decode steps. Stream priorities alone do not do it: the
 chunk's kernels fill every SM and each of a decode step's ~300 kernels waits for blocks to
-retire (measured: 20 ms decode steps, no better than one stream).
+retire (decode steps no faster than with one stream).
 
 Chunks run in order, at most `depth` in flight. The scheduler owns the policy (which
 sequence, when); this class owns the tensors: static inputs, the graph, the stream, events.
@@ -45,8 +44,8 @@ def lane_stream(reserve_sms: int, device_index: int) -> torch.cuda.Stream | None
         return None
     # One reference that is never dropped: a module-level list is cleared at interpreter exit,
     # possibly before an engine left in a global (or a traceback) frees tensors used on the
-    # stream, whose destructors then record events in the destroyed context (a crash at exit,
-    # seen on the H100). The driver frees the context with the process.
+    # stream, whose destructors then record events in the destroyed context (a crash at exit).
+    # The driver frees the context with the process.
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(ctx))
     return stream
 
@@ -89,8 +88,8 @@ class PrefillLane:
                 self._run()  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize(dev)
             # Captured on the lane's own stream: a graph's kernels keep the context they were
-            # captured in, so one captured elsewhere would run on every SM (measured: decode
-            # steps as slow as with no lane). A private memory pool: it runs beside others.
+            # captured in, so one captured elsewhere would run on every SM (decode steps as
+            # slow as with no lane). A private memory pool: it runs beside others.
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, stream=stream):
                 self._run()
@@ -161,29 +160,22 @@ class PrefillLane:
 
 # Weights from which a model's decode step is bandwidth-bound enough to give the lane more SMs.
 LARGE_MODEL_BYTES = 4 << 30
-# The device copy rate (bytes read + written a second) of the H100 80GB HBM3 on which the large
-# models' 3/8 was measured: 2.9-3.0 TB/s.
+# The device copy rate (bytes read + written a second) that the large models' 3/8 is tuned for
+# (an H100 80GB HBM3's); a faster memory gets more SMs.
 H100_COPY_BYTES_PER_S = 3.0e12
 
 
 def default_reserve_sms(
     num_sms: int, weight_bytes: int, copy_bytes_per_s: float | None = None
 ) -> int:
-    """SMs left to the decode steps while the lane runs. `bench.py prefix`'s long-context row
-    (64 streams, then a 32k prompt), ITL p99 during the prompt over a control run's median /
-    TTFT over the prompt alone, H100 (132 SMs):
-    - qwen3-0.6b (1.2 GB): 66 kept 1.83-2.03x / 1.10x; 76 and 86 kept: p99 no lower, TTFT
-      1.37x and 1.51x.
-    - llama-3.1-8b (16 GB): 66 kept 1.63-1.70x / 2.14x; 56: 1.76x / 1.87x; 50: 1.85x / 1.74x;
-      44: 1.90x / 1.72x.
+    """SMs left to the decode steps while the lane runs: half under LARGE_MODEL_BYTES of
+    weights, 3/8 from there at H100_COPY_BYTES_PER_S, more with a faster memory, up to half.
     A small model's decode step is hundreds of short kernels, and they need SMs. A large one
     streams its weights, which fewer SMs still pull at most of the memory's rate, while its
-    prefill's time grows as 1 / its SMs. So: half the SMs under LARGE_MODEL_BYTES of weights,
-    3/8 from there on an H100's memory. A faster memory shortens the control step but not
-    what each kept SM pulls, so the count grows with the copy rate, up to half: H200 (132 SMs,
-    ~4.3 TB/s), llama-3.1-8b, 50 kept 2.43x / 1.71x, 58: 2.31x / 1.82x, 66: 1.86-1.92x /
-    2.03-2.06x. Sizes between 1.2 and 16 GB were not measured. No count meets the 1.3x TTFT
-    target on the 8B: ITL passes 2x first."""
+    prefill's time grows as 1 / its SMs. A faster memory shortens the decode step but not what
+    each kept SM pulls. The counts balance ITL p99 against TTFT in `bench.py prefix`'s
+    long-context row (BENCHMARKS.md, long context); on an 8B model none meets the 1.3x TTFT
+    target: ITL passes 2x first."""
     if weight_bytes < LARGE_MODEL_BYTES:
         return num_sms // 2
     scale = max(1.0, (copy_bytes_per_s or 0.0) / H100_COPY_BYTES_PER_S)
@@ -204,9 +196,8 @@ def copy_bytes_per_s(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
 
 
-# The lane's default chunk (config.prefill_lane_tokens). H100, 64 streams beside a 32k prompt,
-# half the SMs kept: llama-3.1-8b TTFT 3.72 s with 4096-token chunks, 4.00 s with 2048 (ITL p99
-# alike); qwen3-0.6b alike with both.
+# The lane's default chunk (config.prefill_lane_tokens): a 32k prompt's TTFT 7% shorter than
+# with 2048-token chunks on an 8B model, ITL p99 alike.
 LANE_TOKENS = 4096
 
 

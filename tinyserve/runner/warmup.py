@@ -1,14 +1,12 @@
 """Start-up compiles: every Triton kernel variant a step can take is compiled before the first
-request. A variant compiled on first use stalls every stream mid-run for 0.2-1.2 s (H100 and
-H200 hosts, BENCHMARKS.md). The CUDA graphs compile what their captures run; these functions
-cover what eager steps run: the attention and sampling kernels' variants for every engine, and
-for speculative ones, whose steps are eager far more often (every prompt chunk of an MTP model,
-which has no prefill graphs; chunks beside verify rows; rows short of k drafts, whose MTP
-drafting is eager), and for engines without graphs (`enforce_eager`), one eager step of each
-kind and row-count class. The kernels take step
-sizes as runtime arguments (`do_not_specialize`), so one count of a class compiles what every
-count of it needs (H200, the GPU test `test_mtp_steps_after_start_up_compile_no_kernel`: 28
-variants compiled mid-run before, none after).
+request, since a variant compiled on first use stalls every stream mid-run for 0.2-1.2 s. The
+CUDA graphs compile what their captures run; these functions cover what eager steps run: the
+attention and sampling kernels' variants for every engine, and for speculative ones, whose steps
+are eager far more often (every prompt chunk of an MTP model, which has no prefill graphs;
+chunks beside verify rows; rows short of k drafts, whose MTP drafting is eager), and for engines
+without graphs (`enforce_eager`), one eager step of each kind and row-count class. The kernels
+take step sizes as runtime arguments (`do_not_specialize`), so one count of a class compiles
+what every count of it needs (`test_mtp_steps_after_start_up_compile_no_kernel` checks it).
 
 Every function takes the ModelRunner (duck-typed: this module sits below runner.py) and writes
 only the KV cache's scratch block, which the pool never hands out."""
@@ -53,7 +51,7 @@ def compile_start_up(runner) -> None:
 def compile_prefill_attention(runner) -> None:
     """Every prefill-kernel variant eager steps can take (each tile, one pass and key splits):
     the first long prompt chunked beside decode rows would compile one mid-step and stall every
-    stream (H100, qwen3-0.6b: a 1.76 s inter-token gap). One token on the scratch block."""
+    stream (a ~2 s inter-token gap). One token on the scratch block."""
     layer, heads, head_dim = _attention(runner)
     q = torch.zeros(1, heads, head_dim, dtype=runner.dtype, device=runner.device)
     table = torch.full((1, 1), runner.num_kv_blocks, dtype=torch.int32, device=runner.device)
@@ -115,7 +113,7 @@ def compile_decode_attention(runner) -> None:
 def compile_sampling(runner) -> None:
     """The race kernels' variants: the argmax, all rows sampled, and greedy rows among sampled
     ones. The graphs compile only the variants their captures run, so an eager step's first
-    sampled rows compiled one mid-run (~0.2 s, H100 host)."""
+    sampled rows would compile one mid-run (~0.2 s)."""
     vocab = runner.model.lm_head.weight.shape[0]
     x = torch.zeros(2, vocab, dtype=torch.float32, device=runner.device)
     keys = torch.zeros(2, dtype=torch.int64, device=runner.device)

@@ -113,7 +113,7 @@ class SamplingTensors:
             if has_rep:
                 prompt_rows += array("q", [r]) * len(row.prompt_ids)
                 prompt_ids.extend(row.prompt_ids)
-        # Through numpy: ~2x faster than torch.tensor on lists of tuples (512 rows: 63 vs 137 us).
+        # Through numpy: ~2x faster than torch.tensor on lists of tuples.
         host_f = np.ascontiguousarray(np.array(floats, np.float32).T)  # (6, B)
         host_i = np.ascontiguousarray(np.array(ints, np.int64).T)  # (4, B)
         B = len(rows)
@@ -275,10 +275,8 @@ def apply_min_p(logits: Tensor, t: SamplingTensors) -> Tensor:
 def greedy(x: Tensor, out: Tensor | None = None, ids: Tensor | None = None) -> Tensor:
     """x (B, V) float32 -> (B,) int64 argmax, the first maximum on ties, into `out` if given;
     with `ids` (V,) int64 (a draft head's token map) the argmax v's ids[v].
-    On CUDA the two-pass Triton kernel at any batch: H200, 2.6 against torch's 8.3 us at 1 x
-    151,680, 13.7 vs 25.6 at 64 rows, 24.6 vs 36.4 at 128 (`kernels.sampling.argmax`); steady
-    MiMo-7B steps, ms: plain batch 64 5.037 -> 5.025, MTP k=1 batch 32 5.091 -> 5.071, batch
-    64 5.948 -> 5.937 (it was torch's above 32 rows; BENCHMARKS.md, thirty-fifth session)."""
+    On CUDA the two-pass Triton kernel at any batch: 1.5-3x faster than torch's
+    (`kernels.sampling.argmax`)."""
     if x.is_cuda:
         from tinyserve.kernels.sampling import argmax
 

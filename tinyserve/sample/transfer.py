@@ -25,7 +25,7 @@ def to_device(
     x: list | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long
 ) -> torch.Tensor:
     if not isinstance(x, np.ndarray):
-        # Through numpy: 5x faster than torch.tensor(list) (8k ids: 87 vs 463 us, this CPU).
+        # Through numpy: 5x faster than torch.tensor(list).
         x = np.array(x, dtype=np.int32 if dtype == torch.int32 else np.int64)
     return host_array(x, dtype, device.type == "cuda").to(device, non_blocking=True)
 

@@ -109,8 +109,7 @@ def decode_attention_ref(
     k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
     v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     # GQA without repeating K/V: the G query heads of kv head h are its "query tokens". SDPA's
-    # fused CPU kernel: 1.1 vs 2.0 ms a layer for matmul-softmax-matmul (SmolLM2, batch 32,
-    # 608 keys, bf16, 2 cores).
+    # fused CPU kernel: ~2x faster than matmul-softmax-matmul.
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid, scale=scale)
     return out.reshape(batch, num_heads, head_dim)

@@ -5,13 +5,8 @@ row attends the rest of its own keys, and the two parts merge by their log-sum-e
 decode kernel's shared-prefix path does. `decode` (decode steps, and a mixed step's decode
 rows) matches `attention.decode_attention_ref` to rounding, `prefill` (a mixed step's prompt
 chunks: each group's queries in one call) `attention.prefill_attention_ref`; rows in no group
-are left to those references.
-
-SmolLM2-135M, 2 cores (AMX), bf16, ms a layer, both paths timed on the same calls: 32 decode rows
-in 4 groups, 2.17-2.21 -> 1.86-2.02 with 512 shared keys of ~600, 9.21 -> 4.09 with 2,048 of
-~2,130 (thirty-first session); a mixed step of 200 decode rows and 100 chunks of 64 tokens after
-512 shared keys in 16 groups 102-105 -> 42-50, 124 such chunks in 4 groups 62-67 -> 37-51
-(BENCHMARKS.md, thirty-third session)."""
+are left to those references. On a 2-core CPU a layer runs 1.1-2.2x faster for decode rows and
+1.3-2.4x for mixed steps, more the longer the shared keys (BENCHMARKS.md, CPU)."""
 
 from __future__ import annotations
 
