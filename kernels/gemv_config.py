@@ -1,7 +1,7 @@
 """Which kernel and tiles a decode matmul takes (`gemv.py` runs them): `gemv_method` picks the
 stream kernel, the dot kernel, its split-K form or cuBLAS for an (M, K) x (N, K)^T shape, and the
 `*_config` / `stream_stages` functions pick tiles and pipeline depth. Each rule is the fastest
-found in bf16 CUDA-graph replays and engine steps; the numbers are in BENCHMARKS.md (kernels).
+found in bf16 CUDA-graph replays and engine steps (BENCHMARKS.md, kernels; docs/benchmark-log.md).
 """
 
 from __future__ import annotations

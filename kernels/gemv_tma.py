@@ -3,7 +3,7 @@ W and x fetched through tensor descriptors (the copy engine, zero-filled past th
 of per-thread pointer loads. `gemv` launches it; `gemv_config.tma_config` picks its tiles.
 
 Used for a 7-8B gate_up at 33-64 rows (`gemv_config._tma_pays`): with the SiLU epilogue it is
-slower than the dot kernel alone, yet its steps are 2% faster (BENCHMARKS.md, kernels). At
+slower than the dot kernel alone, yet its steps are 2% faster (docs/benchmark-log.md). At
 attention out and down, and at 128 rows, cuBLAS or split-K win.
 """
 

@@ -118,7 +118,7 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None, ids: torch.Tensor |
     on ties (torch.argmax's rule); NaN never wins (torch's would); with `ids` (V,) int64, the
     maximum v's ids[v] (a draft head's token map, without a gather kernel). The race without
     the noise, in chunks of two tiles (`_race`): 1.5-3x faster than torch.argmax at a 152k
-    vocabulary, 1-128 rows (BENCHMARKS.md, kernels)."""
+    vocabulary, 1-128 rows (docs/benchmark-log.md)."""
     check(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1, "x (B, V) float32")
     check(x.shape[1] < 2**31, "vocab too large")
     if out is None:

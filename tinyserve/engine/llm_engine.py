@@ -358,7 +358,7 @@ class LLMEngine:
                 for j in range(len(drafts) + 1)
             ]
         # Empty tuples, not lists: no objects for the collector to track, which at 64 MTP rows
-        # a step (two rows each) ran a gen-0 collection every step (BENCHMARKS.md).
+        # a step (two rows each) ran a gen-0 collection every step (docs/benchmark-log.md).
         n = seq.num_output_tokens
         return [SamplingRow(p, seq.seed, (), (), step=n + j) for j in range(len(drafts) + 1)]
 

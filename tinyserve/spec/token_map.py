@@ -52,7 +52,7 @@ def build_token_map(tokenizer, lines: Iterable[str], size: int, batch: int = 409
     its merges in the order training found them, most frequent first, so low ids are the prior
     where the text is too small to count: on SmolLM2's answers to 16 held-out prompts, the
     lowest 8,192 / 32,768 ids covered 88% / 98% of the tokens, where the 8,192 most frequent
-    of 1 MB of package descriptions covered 79% (BENCHMARKS.md, speculative decoding)."""
+    of 1 MB of package descriptions covered 79% (docs/benchmark-log.md, MTP)."""
     counts: Counter[int] = Counter()
     chunk: list[str] = []
     for line in lines:

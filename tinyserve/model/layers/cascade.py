@@ -6,7 +6,7 @@ decode kernel's shared-prefix path does. `decode` (decode steps, and a mixed ste
 rows) matches `attention.decode_attention_ref` to rounding, `prefill` (a mixed step's prompt
 chunks: each group's queries in one call) `attention.prefill_attention_ref`; rows in no group
 are left to those references. On a 2-core CPU a layer runs 1.1-2.2x faster for decode rows and
-1.3-2.4x for mixed steps, more the longer the shared keys (BENCHMARKS.md, CPU)."""
+1.3-2.4x for mixed steps, more the longer the shared keys (docs/benchmark-log.md)."""
 
 from __future__ import annotations
 
