@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 # One entry per generated token: {token_id: logprob} for the sampled token and the top-k.
 Logprobs = list[dict[int, float]]
+# One entry per prompt token: {its id: log P(token i | tokens < i), then the top-k}; the first
+# token has no context, so its entry is None (vLLM's and OpenAI's echo shape).
+PromptLogprobs = list[dict[int, float] | None]
 
 
 @dataclass(slots=True)
@@ -37,6 +40,9 @@ class RequestOutput:
     # Speculative decoding, over the request's sequences so far: drafts proposed / accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: the whole prompt's, on one delta only (the first that
+    # carries a token of completion 0), None on the others.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def merge(self, delta: RequestOutput) -> None:
         """Fold a step's delta into this cumulative output."""
@@ -52,6 +58,8 @@ class RequestOutput:
             if d.logprobs is not None:
                 o.logprobs = (o.logprobs or []) + d.logprobs
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_draft_tokens = delta.num_draft_tokens

@@ -60,8 +60,14 @@ _INT_RULES: dict[str, tuple[str, Callable[[int], bool]]] = {
     "max_tokens": ("an integer >= 1 or null", lambda x: x >= 1),
     "min_tokens": ("an integer in [0, max_tokens]", lambda x: x >= 0),
     "logprobs": (f"an integer in [0, {MAX_LOGPROBS}] or null", lambda x: 0 <= x <= MAX_LOGPROBS),
+    # vLLM's -1 (the whole vocabulary) is refused as vLLM refuses it under its default
+    # max_logprobs=20: a (prompt length, vocab) table to the host is no one's use.
+    "prompt_logprobs": (
+        f"an integer in [0, {MAX_LOGPROBS}] or null",
+        lambda x: 0 <= x <= MAX_LOGPROBS,
+    ),
 }
-_NULLABLE = ("seed", "max_tokens", "logprobs")
+_NULLABLE = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass(slots=True)
@@ -81,6 +87,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of each prompt token given those before it, plus the top-k (vLLM's; echo).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]

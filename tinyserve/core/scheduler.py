@@ -50,6 +50,15 @@ class ScheduledBatch:
         return seq.num_kv_computed + self.num_new_tokens[i] >= seq.num_tokens
 
 
+def needs_prompt_logprobs(seq: Sequence) -> bool:
+    """Does `seq` still compute its prompt's logprobs (SamplingParams.prompt_logprobs)? Only
+    completion 0 of such a request, until its first token. It takes no prefix hit (a cached
+    block has no logits; it still commits its blocks for others) and no prefill-lane chunk (the
+    lane writes KV only); a recompute after preemption past its first token needs none."""
+    p = seq.params
+    return p.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -139,7 +148,8 @@ class Scheduler:
             # Prompts that would take more than one step; one step's stall is what the steps
             # were sized for (max_num_batched_tokens).
             least = max(c, self.max_num_batched_tokens)
-            seq = self.lane_seq = next((s for s in prefilling if s.num_uncomputed > least), None)
+            can_lane = (s for s in prefilling if not needs_prompt_logprobs(s))  # KV only
+            seq = self.lane_seq = next((s for s in can_lane if s.num_uncomputed > least), None)
         # One launch a step: a launch costs ~1 ms of host time (a 4096-token chunk's graph),
         # and two in one step would make it the slowest step of the prompt. A chunk runs for
         # tens of ms, so the second one in flight is launched in time a step later.
@@ -200,7 +210,8 @@ class Scheduler:
         """Admitted (True), deferred a step (False), or no KV for its first chunk (None)."""
         if seq.token_ids[-1] == PLACEHOLDER:
             return False  # preempted while its step was in flight: wait for that step's tokens
-        matched = self.pool.match_prefix(seq)  # tentative: undone below unless admitted
+        # Tentative (undone below unless admitted); none for a prompt that needs its logits.
+        matched = 0 if needs_prompt_logprobs(seq) else self.pool.match_prefix(seq)
         num = min(seq.num_uncomputed, self._budget)
         extra = self._lookahead(seq, num)
         in_flight = self._is_in_flight(seq, matched)
@@ -224,8 +235,8 @@ class Scheduler:
         """Is a running sequence computing (or has it computed but not yet committed) the very
         block `seq` would compute next? Then `seq` waits for it to be committed and hits it,
         instead of computing the same KV twice."""
-        if self.pool.trie is None:
-            return False
+        if self.pool.trie is None or needs_prompt_logprobs(seq):
+            return False  # (it would not hit that block: it needs its logits)
         end = matched + self.pool.block_size
         if end >= seq.num_tokens:
             return False  # the last token is never matched anyway

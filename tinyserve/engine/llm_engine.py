@@ -23,7 +23,7 @@ from tinyserve.core.scheduler import ScheduledBatch, Scheduler
 from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.model.config import ModelConfig, resolve_dtype
 from tinyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tinyserve.runner.model_runner import ModelRunner
 from tinyserve.runner.pending import PendingStep
 from tinyserve.sample.sampler import SamplingRow
@@ -57,6 +57,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     detoks: list[IncrementalDetokenizer] = field(default_factory=list)
     arrival_time: float = 0.0
+    # SamplingParams.prompt_logprobs, filled chunk by chunk by completion 0's prefill; handed
+    # over (and dropped here) with its first token's delta.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -178,6 +181,8 @@ class LLMEngine:
         if request_id in self.requests or any(r.request_id == request_id for r in self._new):
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         req = Request(request_id, text, prompt_ids, params, arrival_time=time.monotonic())
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt_ids)  # the first token's stays None
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         for i in range(params.n):
@@ -303,10 +308,16 @@ class LLMEngine:
         """Verified tokens in, stop checks, detokenize, commit full blocks, free; drafts."""
         outs = iter(step.pending.result())
         sampled = set(step.sampled)
+        scored = step.pending.prompt_logprobs()  # batch row -> (position, entries)
         for i, (seq, num) in enumerate(zip(step.batch.seqs, step.batch.num_new_tokens)):
             out = next(outs) if i in sampled else None
             if seq.is_finished:
                 continue  # aborted, or stopped one step earlier (overlap): drop its results
+            if i in scored and (acc := self.requests[seq.request_id].prompt_logprobs):
+                # Position p's logits score prompt token p + 1 (a recompute after preemption
+                # writes the same entries again).
+                position, entries = scored[i]
+                acc[position + 1 : position + 1 + len(entries)] = entries
             if out is None:
                 if step.positions is None:
                     seq.num_kv_computed += num
@@ -399,6 +410,8 @@ class LLMEngine:
             d = deltas[req.request_id] = RequestOutput(
                 req.request_id, req.prompt, req.prompt_ids, [], num_cached_tokens=0
             )
+        if ids and seq.index == 0 and req.prompt_logprobs is not None:  # complete: hand over
+            d.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         d.outputs.append(
             CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason, logprobs)
         )

@@ -2,8 +2,9 @@
 forward and the sampler. No policy lives here (that is the scheduler's job).
 
 `launch` enqueues a step and returns; the only host sync is `PendingStep.result()` waiting on
-the event after the copy of the sampled ids (and logprobs, accepted counts, MTP drafts) to
-pinned host memory. The engine calls it while the next step already runs (the overlapped loop).
+the event after the copy of the sampled ids (and logprobs, prompt logprobs, accepted counts,
+MTP drafts) to pinned host memory. The engine calls it while the next step already runs (the
+overlapped loop).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tinyserve.model.layers.attention import Attention, forward_context
 from tinyserve.model.loader import load_model
 from tinyserve.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
 from tinyserve.runner.mtp_drafter import MtpDrafter
-from tinyserve.runner.pending import PendingStep, to_host
+from tinyserve.runner.pending import PendingStep, PromptScores, to_host
 from tinyserve.runner.prefill_lane import build_lane
 from tinyserve.runner.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
 from tinyserve.runner.warmup import compile_start_up
@@ -213,7 +214,8 @@ class ModelRunner:
     def _graphs_for(self, h: HostInputs):
         """The graph set that runs this step, or None (eager): decode-only batches, and verify
         steps where every row runs k drafts."""
-        if self.graphs is None or not self.graphs.can_run(len(h.q_lens)):
+        # Prompt logprobs read the hidden state of every scored position: eager.
+        if self.graphs is None or h.prompt_idx or not self.graphs.can_run(len(h.q_lens)):
             return None
         if all(n == 1 for n in h.q_lens):
             return self.graphs
@@ -272,10 +274,16 @@ class ModelRunner:
                 x.input_ids[dst] = prev.sampled[src]
             with forward_context(x.metadata):
                 hidden, all_logits = self.model(x.input_ids, x.positions), None
+        prompt = self._prompt_scores(h, x, hidden) if h.prompt_idx else None
         if not h.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
             if self.mtp is not None:
                 self.drafter.first_pass(x.metadata, x.positions, hidden, x.next_ids)  # KV only
-            return PendingStep([], rows)
+            step = PendingStep([], rows)
+            step.prompt = prompt
+            if prompt is not None and self.device.type == "cuda":
+                step.event = torch.cuda.Event()
+                step.event.record()
+            return step
         assert len(rows) == len(h.logits_idx)
         # 3. Sampling. The graph's logits rows are the sampled rows: every token sampled, or a
         # prefill graph's one row (the chunk's last token's).
@@ -325,6 +333,7 @@ class ModelRunner:
             step.host = self.draft_graphs.split(to_host(results), len(h.seg_starts)) + logprobs
         else:
             step.host = [to_host(t) for t in (sampled, accepted, drafts)] + logprobs
+        step.prompt = prompt
         if self.device.type == "cuda":
             step.event = torch.cuda.Event()
             step.event.record()
@@ -396,6 +405,25 @@ class ModelRunner:
         if all_logits is not None:
             return all_logits[idx]
         return self.model.compute_logits(hidden[idx])
+
+    def _prompt_scores(self, h: HostInputs, x: StepInputs, hidden: torch.Tensor) -> PromptScores:
+        """Logprobs of the prompt tokens this step scores: float32 log_softmax of the logits of
+        the positions before them, the scored token's gathered and the top-k, copied to pinned
+        host memory with the step's results. The logits go through in slices of max_num_seqs
+        rows (what num_kv_blocks' profile left room for): never (P, V) floats at once."""
+        idx, next_ids = x.prompt  # (P,) token index in this step, (P,) the token it scores
+        num, k, dev = len(h.prompt_idx), h.prompt_top_k, self.device
+        logprobs = torch.empty(num, dtype=torch.float32, device=dev)
+        top_ids = torch.empty(num, k, dtype=torch.long, device=dev) if k else None
+        top_lps = torch.empty(num, k, dtype=torch.float32, device=dev) if k else None
+        for a in range(0, num, self.config.max_num_seqs):
+            b = min(num, a + self.config.max_num_seqs)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[idx[a:b]]), dim=-1)  # (b-a, V)
+            logprobs[a:b] = lp.gather(1, next_ids[a:b, None]).squeeze(1)
+            if k:
+                top_lps[a:b], top_ids[a:b] = lp.topk(k, dim=-1)
+        host = [to_host(t) for t in (logprobs, top_ids, top_lps)]
+        return PromptScores(h.prompt_rows, h.prompt_next, host)
 
     def _step_shift(
         self, prev: PendingStep, shift: tuple[torch.Tensor, ...], num_rows: int

@@ -25,6 +25,32 @@ class SeqOutput:
     draft_ids: list[int]  # the MTP head's drafts for the next step ([] without MTP)
 
 
+@dataclass(slots=True)
+class PromptScores:
+    """A step's prompt logprobs (SamplingParams.prompt_logprobs): the logprob of each scored
+    prompt token given those before it, and the top-k, in pinned host copies."""
+
+    rows: list[tuple[int, int, int, int]]  # (batch row, first position, num, k) per chunk
+    next_ids: list[int]  # (P,) the prompt token each position's logits score
+    host: list[torch.Tensor | None]  # (P,) logprobs, (P, K) top ids, (P, K) top logprobs
+
+    def entries(self) -> dict[int, tuple[int, list[dict[int, float]]]]:
+        """Batch row -> (first position p, per position {prompt token p + 1: logprob, then
+        the row's top k}): vLLM's entry shape, the scored token first."""
+        logprobs, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.host)
+        out, i = {}, 0
+        for row, position, num, k in self.rows:
+            entries = []
+            for j in range(i, i + num):
+                entry = {self.next_ids[j]: logprobs[j]}
+                if k:
+                    entry.update(zip(top_ids[j][:k], top_lps[j][:k]))
+                entries.append(entry)
+            out[row] = (position, entries)
+            i += num
+        return out
+
+
 def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -48,11 +74,20 @@ class PendingStep:
         self.accepted: torch.Tensor | None = None
         self.drafts: torch.Tensor | None = None
         self.host: list[torch.Tensor | None] = []
+        self.prompt: PromptScores | None = None
         self.event: torch.cuda.Event | None = None
 
     def num_accepted(self) -> torch.Tensor:
         """(S,) drafts each sampling sequence accepted, on the device (zeros: no drafts)."""
         return self.accepted if self.accepted is not None else torch.zeros_like(self.seg_dev)
+
+    def prompt_logprobs(self) -> dict[int, tuple[int, list[dict[int, float]]]]:
+        """PromptScores.entries of this step ({}: none scored); waits as `result` does."""
+        if self.prompt is None:
+            return {}
+        if self.event is not None:
+            self.event.synchronize()
+        return self.prompt.entries()
 
     def result(self) -> list[SeqOutput]:
         """Per sampling sequence: its accepted drafts and token, and the MTP drafts."""

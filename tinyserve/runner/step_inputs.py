@@ -3,12 +3,12 @@ to the device (`device_inputs`). Pure functions of the batch; the runner owns wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from tinyserve.core.scheduler import ScheduledBatch
+from tinyserve.core.scheduler import ScheduledBatch, needs_prompt_logprobs
 from tinyserve.core.sequence import PLACEHOLDER
 from tinyserve.model.layers.attention import AttentionMetadata
 from tinyserve.sample.transfer import packed_to_device
@@ -41,6 +41,13 @@ class HostInputs:
     shift_row: list[int]  # batch row
     shift_num: list[int]  # drafts the row carries
     shift_logit: list[int]  # its logits row
+    # Prompt logprobs (eager steps only): positions whose logits score the next prompt token.
+    # Apart from `logits_idx`: the sampler never sees them.
+    prompt_idx: list[int] = field(default_factory=list)  # (P,) token index in this step
+    prompt_next: list[int] = field(default_factory=list)  # (P,) the prompt token it scores
+    # (batch row, first position, num, top logprobs it asks) of each scored chunk
+    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
+    prompt_top_k: int = 0  # the most top logprobs any of them asks
 
     @property
     def spec(self) -> bool:
@@ -63,6 +70,7 @@ class StepInputs:
     sample_rows: torch.Tensor | None  # (S,) MTP only
     pending: tuple[torch.Tensor, torch.Tensor] | None  # (dst, src)
     shift: tuple[torch.Tensor, ...] | None  # HostInputs.shift_* on the device
+    prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (prompt_idx, prompt_next)
 
 
 def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> HostInputs:
@@ -83,6 +91,10 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> Host
     limits: list[int] = []  # per sampled sequence: KV slots it owns
     sample_rows: list[int] = []  # per sampled sequence: its batch row
     shift: tuple[list[int], ...] = ([], [], [], [], [], [])  # HostInputs.shift_*
+    prompt_idx: list[int] = []
+    prompt_next: list[int] = []
+    prompt_rows: list[tuple[int, int, int, int]] = []
+    prompt_top_k = 0
     for row, (seq, num) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start, end = seq.num_kv_computed, seq.num_kv_computed + num
         drafts = seq.draft_ids
@@ -122,6 +134,13 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> Host
             dst.append(len(input_ids) + j)
             src.append(seq.pending_row)
             chunk = chunk[:j] + [0] + chunk[j + 1 :]
+        last = seq.num_prompt_tokens - 1  # position p's logits score prompt token p + 1
+        if start < last and needs_prompt_logprobs(seq):
+            num_scored, k = min(end, last) - start, seq.params.prompt_logprobs
+            prompt_rows.append((row, start, num_scored, k))
+            prompt_idx += range(len(input_ids), len(input_ids) + num_scored)
+            prompt_next += seq.token_ids[start + 1 : start + 1 + num_scored]
+            prompt_top_k = max(prompt_top_k, k)
         input_ids += chunk
         if mtp:
             following = chunk[1:] + tokens[end : end + 1]
@@ -164,6 +183,10 @@ def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> Host
         dst,
         src,
         *shift,
+        prompt_idx=prompt_idx,
+        prompt_next=prompt_next,
+        prompt_rows=prompt_rows,
+        prompt_top_k=prompt_top_k,
     )
 
 
@@ -191,6 +214,7 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
                 (h.shift_tok, h.shift_seq, h.shift_j, h.shift_row, h.shift_num, h.shift_logit)
             )
         },
+        **({"prompt_idx": h.prompt_idx, "prompt_next": h.prompt_next} if h.prompt_idx else {}),
     }
     d = dict(zip(host, packed_to_device(list(host.values()), device)))
     md = AttentionMetadata(
@@ -217,4 +241,5 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         sample_rows=d["sample_rows"] if mtp else None,
         pending=(d["dst"], d["src"]) if h.dst else None,
         shift=tuple(d[f"shift{i}"] for i in range(6)) if h.shift_tok else None,
+        prompt=(d["prompt_idx"], d["prompt_next"]) if h.prompt_idx else None,
     )
