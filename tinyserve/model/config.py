@@ -27,6 +27,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MiMoForCausalLM": "mimo",  # Qwen2 body + MTP layers (model.mtp_layers.*)
+    "Qwen3_5ForCausalLM": "qwen3_5_text",  # hybrid: Gated DeltaNet + gated attention
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (text_config); no vision
 }
 SUPPORTED_ROPE_TYPES = ("linear", "llama3", "yarn")
 REQUIRED_KEYS = (
@@ -62,6 +64,20 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"  # the checkpoint's dtype; HF loads float32 when absent
     num_nextn_predict_layers: int = 0  # MTP layers the checkpoint ships (speculative decoding)
+    # Hybrid models (Qwen3.5): each layer's token mixer, "full_attention" (paged KV) or
+    # "linear_attention" (Gated DeltaNet: a state slot per sequence); empty: all attention.
+    layer_types: list[str] = field(default_factory=list)
+    linear_conv_kernel_dim: int = 4
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    ssm_state_dtype: str = "float32"  # the DeltaNet recurrent state's (HF's mamba_ssm_dtype)
+    partial_rotary_factor: float = 1.0  # rotary on the first factor * head_dim dims of a head
+    attn_output_gate: bool = False  # attention output * sigmoid(gate); q_proj yields the gate
+    # mRoPE (t, h, w) rotary-pair sections; text tokens have one position for all three.
+    mrope_section: list[int] = field(default_factory=list)
+    mrope_interleaved: bool = False
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
@@ -84,11 +100,14 @@ class ModelConfig:
     ) -> ModelConfig:
         arch = _architecture(raw)
         model_type = ARCHITECTURES[arch]
+        if model_type == "qwen3_5":
+            raw = _text_config(raw)
+        is_hybrid = model_type in ("qwen3_5", "qwen3_5_text")
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"{arch}: hidden_act {raw['hidden_act']!r} (only silu)")
         if raw.get("use_sliding_window", False):
             raise UnsupportedModel(f"{arch}: use_sliding_window=true is not supported")
-        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        if not is_hybrid and raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModel(f"{arch}: partial_rotary_factor != 1 is not supported")
         missing = [k for k in REQUIRED_KEYS if raw.get(k) is None]
         if missing:
@@ -97,7 +116,8 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         # HF defaults when a key is absent: Qwen3Config.head_dim = 128, others hidden // heads.
         head_dim = raw.get("head_dim") or (
-            128 if model_type == "qwen3" else raw["hidden_size"] // num_heads
+            {"qwen3": 128, "qwen3_5_text": 256, "qwen3_5": 256}.get(model_type)
+            or raw["hidden_size"] // num_heads
         )
         max_pos = raw.get("max_position_embeddings") or (2048 if model_type == "llama" else 32768)
         rope_theta, rope_scaling = _parse_rope(raw, arch, max_pos)
@@ -130,7 +150,49 @@ class ModelConfig:
             num_nextn_predict_layers=raw.get("num_nextn_predict_layers")
             or raw.get("mtp_num_hidden_layers")
             or 0,
+            **(_hybrid_fields(raw) if is_hybrid else {}),
         )
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model: its text_config, where the top level decides the
+    tied head (as transformers does) and gives the dtype and ids the text config lacks."""
+    text = dict(raw.get("text_config") or {})
+    text["architectures"] = raw.get("architectures")
+    text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    for key in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id"):
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
+    return text
+
+
+def _hybrid_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's fields, with transformers' Qwen3_5TextConfig defaults."""
+    num_layers = raw["num_hidden_layers"]
+    interval = raw.get("full_attention_interval") or 4
+    layer_types = raw.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
+    ]
+    unknown = set(layer_types) - {"linear_attention", "full_attention"}
+    if len(layer_types) != num_layers or unknown:
+        raise UnsupportedModel(
+            f"layer_types {layer_types!r}: one of linear_attention / full_attention per layer"
+        )
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 0.25
+    return dict(
+        layer_types=list(layer_types),
+        linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim") or 4,
+        linear_num_key_heads=raw.get("linear_num_key_heads") or 16,
+        linear_num_value_heads=raw.get("linear_num_value_heads") or 32,
+        linear_key_head_dim=raw.get("linear_key_head_dim") or 128,
+        linear_value_head_dim=raw.get("linear_value_head_dim") or 128,
+        ssm_state_dtype=raw.get("mamba_ssm_dtype") or "float32",
+        partial_rotary_factor=float(factor),
+        attn_output_gate=True,  # transformers' Qwen3.5 always gates (q_proj is 2 Hq D wide)
+        mrope_section=list(rope.get("mrope_section") or []),
+        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+    )
 
 
 def _architecture(raw: dict[str, Any]) -> str:

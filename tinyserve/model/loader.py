@@ -17,11 +17,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tinyserve.model.config import ModelConfig
+from tinyserve.model.config import ModelConfig, UnsupportedModel
 from tinyserve.model.layers.linear import ShapeMismatch, default_weight_loader
 from tinyserve.model.layers.norm import RMSNorm
 from tinyserve.model.models.llama import LlamaForCausalLM
 from tinyserve.model.models.mtp import LAYOUTS, MTPHead, detect_layout, map_mtp_name
+from tinyserve.model.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
 class CheckpointError(ValueError):
@@ -46,7 +47,12 @@ def load_model(
     # target dtype, so nothing is allocated twice. (Meta + to_empty would also work but would
     # wipe the precomputed RoPE table, a buffer.)
     with _default_dtype(dtype), device:
-        model = LlamaForCausalLM(config)
+        if config.layer_types:  # a hybrid model (Qwen3.5)
+            if with_mtp:
+                raise UnsupportedModel(f"{config.architecture}: its MTP head is not supported")
+            model = Qwen3_5ForCausalLM(config)
+        else:
+            model = LlamaForCausalLM(config)
         if with_mtp:
             model.mtp = MTPHead(config, model)
     if load_format == "dummy":
@@ -92,6 +98,8 @@ def _skipped(name: str, model: LlamaForCausalLM) -> bool:
     """Checkpoint tensors that are dropped on purpose (all others must map to a parameter)."""
     if name.endswith("rotary_emb.inv_freq"):  # buffer saved by old transformers; we recompute it
         return True
+    if name.startswith("model.visual."):  # a multimodal checkpoint's vision tower: not built
+        return True
     return name == "lm_head.weight" and model.config.tie_word_embeddings
 
 
@@ -125,6 +133,8 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
                 if _skipped(ckpt_name, model):
                     continue
                 name = ckpt_name
+                if name.startswith("model.language_model."):  # a multimodal checkpoint's text
+                    name = "model." + name.removeprefix("model.language_model.")
                 mapped = map_mtp_name(name, layout, model.config) if layout else None
                 if mapped is not None:  # an MTP tensor
                     if mapped == "" or model.mtp is None:

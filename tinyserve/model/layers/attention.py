@@ -61,6 +61,13 @@ class AttentionMetadata:
     # Decode rows sharing leading KV blocks: (chunks, shared lengths) for the Triton kernel's
     # cascade path (kernels/decode_attention.py); the CPU path plans its own (`shared_groups`).
     shared_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Hybrid models (layers/gated_deltanet.py): each sequence's state slot (B,) int32, and
+    # whether the slot holds its state so far (B,) bool (False: a first chunk, from zeros).
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    # A verify step of a hybrid model: the state after each token goes to this slot (T,) int32
+    # (-1: not kept); the sequences' own slots are only read.
+    token_state_slots: torch.Tensor | None = None
 
 
 _metadata: AttentionMetadata | None = None
