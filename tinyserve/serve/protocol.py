@@ -13,8 +13,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
-from tinyserve.serve import structured
-from tinyserve.serve.tools import ToolRequest, message_fields
 
 MAX_N = 16  # choices per prompt; each one is a sequence in the batch
 MAX_PROMPTS = 16  # prompts in one /v1/completions batch
@@ -116,13 +114,17 @@ class GenerateRequest:
     prompts: list[str | list[int]] | None = None  # completions: text or token ids
     max_tokens_param: str = "max_tokens"  # the field the client used, named in errors
     cache_salt: str | None = None  # vLLM's per-tenant prefix-cache isolation
-    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
-    # The field params.structured_outputs came from, named in its errors (serve/structured.py).
-    structured_param: str = "structured_outputs"
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
     body = _object(body)
+    if body.get("tools") or body.get("functions"):
+        raise unsupported("tools", "tool calling")
+    if body.get("tool_choice") not in (None, "none"):
+        raise unsupported("tool_choice", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", "response_format other than text")
     logprobs = _optional(body, "logprobs", bool, "a boolean")
     top = _optional(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -133,15 +135,7 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     req = _common(body, info, key or "max_tokens", (top or 0) if logprobs else None)
     req.messages = messages
-    _structured(req, body, chat=True)
     return req
-
-
-def _structured(req: GenerateRequest, body: dict, chat: bool) -> None:
-    try:
-        structured.apply(req, body, chat)
-    except InvalidParameter as e:
-        raise bad(e.param, str(e)) from None
 
 
 def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
@@ -158,7 +152,6 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
     prompts = _prompts(body.get("prompt"), info)
     req = _common(body, info, "max_tokens", logprobs)
     req.prompts = prompts
-    _structured(req, body, chat=False)
     return req
 
 
@@ -239,21 +232,15 @@ def _optional(body: dict, key: str, kind: type, allowed: str, param: str | None 
     return value
 
 
-def _messages(value: Any, info: ModelInfo) -> list[dict[str, Any]]:
+def _messages(value: Any, info: ModelInfo) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise bad("messages", "messages must be a non-empty list of messages")
     out, num_chars = [], 0
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad("messages", f"messages[{i}] must be an object with a role in {ROLES}")
-        try:
-            extra = message_fields(m, i)  # tool_calls, tool_call_id
-        except InvalidParameter as e:
-            raise bad(e.param, str(e)) from None
-        # A tool call may come without content, a tool's result may be empty.
-        empty = m.get("content") in (None, "") and ("tool_calls" in extra or m["role"] == "tool")
-        content = "" if empty else _content(m.get("content"), i)
-        msg = {"role": m["role"], "content": content, **extra}
+        content = _content(m.get("content"), i)
+        msg = {"role": m["role"], "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         num_chars += len(content)

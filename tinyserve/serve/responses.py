@@ -12,7 +12,6 @@ from typing import Any
 
 from tinyserve.model.tokenizer import Tokenizer
 from tinyserve.outputs import CompletionOutput
-from tinyserve.serve.tool_parser import ToolStreams
 
 DONE = b"data: [DONE]\n\n"
 
@@ -52,7 +51,6 @@ class ResponseBuilder:
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
-        self.tools: ToolStreams | None = None  # chat with tools: tool_calls parsed from the text
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -84,14 +82,8 @@ class ResponseBuilder:
                 }
                 for i, o in choices
             ]
-        if self.tools is not None:
-            self._apply_tools(body["choices"], choices)
         body["usage"] = use
         return body
-
-    def _apply_tools(self, bodies: list[dict], choices: list[tuple[int, CompletionOutput]]) -> None:
-        for body, (_, o) in zip(bodies, choices):
-            body["message"], body["finish_reason"] = self.tools.message(o.text, o.finish_reason)
 
     # -- streaming ----------------------------------------------------------------------------
 
@@ -101,18 +93,13 @@ class ResponseBuilder:
     def delta_chunk(self, index: int, o: CompletionOutput) -> bytes:
         """One choice's step as an SSE chunk; b"" when there is nothing to tell."""
         logprobs = self._logprobs(index, o)
-        text, calls, finish_reason = o.text, None, o.finish_reason
-        if self.tools is not None:  # a call's text leaves as tool_calls deltas, never content
-            text, calls, finish_reason = self.tools.feed(index, o.text, o.finish_reason)
         # Nothing to tell: text held back (a stop string may be forming, half a character).
         # A model without a tokenizer has no text at all: each step's chunk still goes out.
         tokenless = self.tokenizer is None and o.token_ids
-        if not (text or calls) and finish_reason is None and logprobs is None and not tokenless:
+        if not o.text and o.finish_reason is None and logprobs is None and not tokenless:
             return b""
-        delta = {"content": text} if (text or not self.chat) else {}
-        if calls:
-            delta["tool_calls"] = calls
-        return self._chunk(index, delta, finish_reason, logprobs, o.stop_reason)
+        delta = {"content": o.text} if (o.text or not self.chat) else {}
+        return self._chunk(index, delta, o.finish_reason, logprobs, o.stop_reason)
 
     def _chunk(self, index, delta, finish_reason, logprobs, stop_reason=None) -> bytes:
         if self.chat:

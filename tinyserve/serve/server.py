@@ -27,7 +27,7 @@ from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
 from tinyserve.model.tokenizer import ChatTemplateError, Tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import InvalidParameter
-from tinyserve.serve import protocol, structured
+from tinyserve.serve import protocol
 from tinyserve.serve.flight import Flight
 from tinyserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.serve.middleware import (
@@ -206,26 +206,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     st.check_admission(1)  # cheap refusals before tokenizing
     num_chars = sum(len(m["content"]) for m in req.messages)
     tokenizer = st.require_tokenizer("messages")
-    await _prepare_grammar(st, req)
-    tools = req.tools.tools if req.tools is not None else None
-    ids = await _offload(_render_chat, num_chars, tokenizer, req.messages, tools)
+    ids = await _offload(_render_chat, num_chars, tokenizer, req.messages)
     return await _generate(request, req, [ids], arrival, chat=True)
 
 
-async def _prepare_grammar(st: ServerState, req: GenerateRequest) -> None:
-    """Compile the request's structured-output grammar off the loop before anything is queued:
-    an invalid schema, regex or grammar is a 400 here."""
+def _render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     try:
-        await structured.prepare(st.engine, req, st.tokenizer)
-    except InvalidParameter as e:
-        raise protocol.bad(e.param, str(e)) from None
-
-
-def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The prompt's ids; `tools` reach the template's own `tools` variable (as vLLM: a template
-    that ignores them renders none)."""
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=tools)
+        text = tokenizer.apply_chat_template(messages)
     except ChatTemplateError as e:
         raise protocol.bad("messages", str(e)) from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -236,7 +223,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     req = protocol.parse_completion(await read_json(request), st.info)
     st.check_admission(len(req.prompts))
-    await _prepare_grammar(st, req)
     ids = []
     for p in req.prompts:
         if isinstance(p, list):
@@ -263,8 +249,6 @@ async def _generate(
     builder = ResponseBuilder(
         chat, rid, int(time.time()), st.served[0], st.tokenizer, req.top_logprobs, req.include_usage
     )
-    if chat and req.tools is not None:
-        builder.tools = req.tools.streams()  # tool_calls parsed out of each choice's text
     timeout = st.config.request_timeout
     deadline = None if timeout is None else arrival + timeout
     flight = Flight(st, rid, prompt_ids, params, deadline, req.cache_salt)
