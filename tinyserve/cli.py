@@ -242,22 +242,32 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     help="Seconds a client has to send a request's headers, counted from the connect or its "
     "previous response (slowloris); idle keep-alive connections close after it too.",
 )
+@click.option(
+    "--generation-config",
+    default="auto",
+    show_default=True,
+    help="Defaults for the sampling fields a request leaves unset (temperature, top_p, top_k, "
+    "min_p, repetition_penalty; max_new_tokens caps an unset max_tokens), as vLLM: 'auto' from "
+    "the model's generation_config.json, 'vllm' none, or a directory holding one.",
+)
 def run(**kwargs) -> None:
     """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics, /tokenize, /detokenize. POST bodies must be sent with 'Content-Type:
-    application/json' (415 otherwise), so that no web page can post one without CORS."""
+    /health, /metrics, /tokenize, /detokenize, /version. POST bodies must be sent with
+    'Content-Type: application/json' (415 otherwise), so that no web page can post one without
+    CORS."""
     import logging
 
     import uvloop
 
     from tinyserve.config import EngineConfig
     from tinyserve.engine.async_engine import AsyncEngine
-    from tinyserve.serve.server import ServerConfig, serve, served_names
+    from tinyserve.serve.server import ServerConfig, generation_defaults, serve, served_names
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         server_config = ServerConfig(**{k: v for k, v in kwargs.items() if k not in ENGINE_KEYS})
         engine = _load_engine(EngineConfig(**{k: kwargs[k] for k in ENGINE_KEYS}))
+        generation_defaults(server_config, engine.config.model)  # a bad file fails here
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -270,6 +280,9 @@ def run(**kwargs) -> None:
             f"{pool.block_size}; max_model_len {engine.max_model_len}; "
             f"{engine.config.device}, {str(engine.dtype).removeprefix('torch.')})"
         )
+        # Clients that tokenize themselves (lm-eval's tokenizer=, guidellm's --processor) load
+        # the tokenizer from this Hugging Face directory.
+        click.echo(f"tinyserve: model directory (HF tokenizer) {engine.config.model}")
         sys.stdout.flush()
 
     try:

@@ -242,6 +242,44 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> list[int]:
     return ids
 
 
+# The generation_config.json fields vLLM's `--generation-config` turns into request defaults.
+GENERATION_DEFAULT_KEYS = (
+    "repetition_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+
+
+def sampling_defaults(directory: str | os.PathLike) -> dict[str, Any]:
+    """The sampling defaults the checkpoint's creator recommends: those of GENERATION_DEFAULT_KEYS
+    that DIRECTORY/generation_config.json sets (none without the file), `max_new_tokens` renamed
+    `max_tokens` (vLLM's `--generation-config auto` / DIR). Raises ValueError for values that
+    no request could carry."""
+    from tinyserve.sampling_params import InvalidParameter, SamplingParams
+
+    path = os.path.join(os.fspath(directory), "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    out = {k: raw[k] for k in GENERATION_DEFAULT_KEYS if raw.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    try:
+        SamplingParams(**out)
+    except (InvalidParameter, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return out
+
+
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)

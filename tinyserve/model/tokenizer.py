@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 # sentencepiece's drop a word's leading space at the start of a string, so context matters there.
 NUM_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
 
 
 class ChatTemplateError(ValueError):
@@ -109,11 +110,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` as transformers does (tokenize=False); kwargs reach the template."""
+        """Render `messages` as transformers does (tokenize=False); kwargs reach the template.
+        `continue_final_message`: the text ends inside the last message (no end-of-turn after
+        it), so the model continues it: a prefilled answer."""
         # transformers drops None-valued keys (OpenAI's content=None) so templates see them unset.
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError(
+                    "continue_final_message and add_generation_prompt are not compatible"
+                )
+            return self._render_open_ended(messages, tools, kwargs)
         special = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -132,6 +142,26 @@ class Tokenizer:
             # TypeError: messages the template cannot handle, e.g. a list `content` where it
             # concatenates strings; like raise_exception, that is the client's error.
             raise ChatTemplateError(f"chat template error: {e}") from e
+
+    def _render_open_ended(self, messages: list[dict], tools, kwargs: dict) -> str:
+        """transformers' continue_final_message: render with a tag after the last message's
+        content and cut the text at the tag (and the whitespace before it, where the template
+        trims the content)."""
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ChatTemplateError(
+                "continue_final_message needs a final message with text content to continue"
+            )
+        messages = messages[:-1] + [{**messages[-1], "content": final + _CONTINUE_TAG}]
+        text = self.apply_chat_template(messages, False, tools, **kwargs)
+        tag = _CONTINUE_TAG.strip()
+        if tag not in text or final.strip() not in text:
+            raise ChatTemplateError(
+                "continue_final_message: the chat template does not render the final message's "
+                "content as given"
+            )
+        at = text.rindex(tag)
+        return text[:at] if text[at:].startswith(_CONTINUE_TAG) else text[:at].rstrip()
 
 
 def _token_content(token: str | dict | None) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
@@ -22,6 +22,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's cap
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_ROLE_CHARS = 64
 _INT_KEY = re.compile(r"-?[0-9]{1,12}")
 
 # Sampling fields passed straight to SamplingParams, which range-checks them (vLLM names).
@@ -38,6 +39,7 @@ _SAMPLING_KEYS = (
     "min_tokens",
     "ignore_eos",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 # The real-valued ones: SamplingParams calls float() on them, which an integer past ~1.8e308
 # (JSON allows 400 digits) overflows.
@@ -101,6 +103,9 @@ class ModelInfo:
     # C / max_token_chars tokens (byte-level BPE: one char per byte), so longer texts are
     # rejected before the tokenizer runs.
     max_token_chars: int
+    # Request defaults from the checkpoint's generation_config.json (vLLM's --generation-config):
+    # sampling fields a request leaves unset, and `max_tokens`, a cap when it sets none.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -114,6 +119,15 @@ class GenerateRequest:
     prompts: list[str | list[int]] | None = None  # completions: text or token ids
     max_tokens_param: str = "max_tokens"  # the field the client used, named in errors
     cache_salt: str | None = None  # vLLM's per-tenant prefix-cache isolation
+    # vLLM's extras (responses: serve/echo.py)
+    echo: bool = False  # completions: the prompt, with its logprobs, before each completion
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (lm-eval's loglikelihood)
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on each chunk
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context)
+    truncation_side: str = "left"  # left: keep the last ones; right: the first ones
+    # Chat template switches: add_generation_prompt, continue_final_message.
+    render_options: dict[str, bool] = field(default_factory=dict)
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
@@ -131,17 +145,19 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
         raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not logprobs:
         raise bad("top_logprobs", "top_logprobs requires logprobs to be true")
-    messages = _messages(body.get("messages"), info)
+    truncated = body.get("truncate_prompt_tokens") is not None  # then any length may come
+    messages = _messages(body.get("messages"), info, check_chars=not truncated)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     req = _common(body, info, key or "max_tokens", (top or 0) if logprobs else None)
     req.messages = messages
+    req.render_options = render_options(body)
+    _extras(req, body, info)
     return req
 
 
 def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
     body = _object(body)
-    if body.get("echo") not in (None, False):
-        raise unsupported("echo", "echo")
+    echo = bool(_optional(body, "echo", bool, "a boolean"))
     if body.get("suffix") is not None:
         raise unsupported("suffix", "suffix")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
@@ -149,10 +165,66 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
     logprobs = _optional(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}] or null")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null")
-    prompts = _prompts(body.get("prompt"), info)
-    req = _common(body, info, "max_tokens", logprobs)
+    truncated = body.get("truncate_prompt_tokens") is not None  # then any length may come
+    prompts = _prompts(body.get("prompt"), info, check_chars=not truncated)
+    run_body, echo_only = _completion_defaults(body, echo, logprobs)
+    req = _common(run_body, info, "max_tokens", logprobs)
     req.prompts = prompts
+    req.echo, req.echo_only = echo, echo_only
+    _extras(req, body, info)
     return req
+
+
+def _completion_defaults(body: dict, echo: bool, logprobs: int | None) -> tuple[dict, bool]:
+    """vLLM's completions defaults: max_tokens 16 when unset; echo with max_tokens 0 runs one
+    token and answers with the prompt alone (echo_only); echo's logprobs cover the prompt too
+    (prompt_logprobs = logprobs). Returns the body to run and echo_only."""
+    body, max_tokens = dict(body), body.get("max_tokens")
+    echo_only = echo and type(max_tokens) is int and max_tokens == 0
+    if max_tokens is None or echo_only:
+        body["max_tokens"] = 1 if echo_only else 16
+    if echo and logprobs is not None and body.get("prompt_logprobs") is None:
+        body["prompt_logprobs"] = logprobs
+    return body, echo_only
+
+
+def _extras(req: GenerateRequest, body: dict, info: ModelInfo) -> None:
+    """vLLM's extras of both APIs: return_token_ids, stream_options.continuous_usage_stats,
+    truncate_prompt_tokens / truncation_side; prompt_logprobs (> 0) are not streamed."""
+    req.return_token_ids = bool(_optional(body, "return_token_ids", bool, "a boolean"))
+    options = body.get("stream_options") or {}  # an object: _common checked it
+    every = _optional(options, "continuous_usage_stats", bool, "a boolean", "stream_options")
+    req.continuous_usage = bool(every) and req.include_usage
+    if req.stream and (req.params.prompt_logprobs or 0) > 0 and body.get("prompt_logprobs"):
+        raise bad("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+    limit = info.max_model_len
+    keep = _optional(body, "truncate_prompt_tokens", int, f"-1 or an integer in [1, {limit}]")
+    if keep is not None and not (keep == -1 or 1 <= keep <= limit):
+        raise bad(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be -1 (the context length) or an integer in "
+            f"[1, {limit}] (max_model_len)",
+        )
+    req.truncate_prompt_tokens = limit if keep == -1 else keep
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise bad("truncation_side", "truncation_side must be 'left' or 'right'")
+    req.truncation_side = side or "left"
+
+
+def render_options(body: dict) -> dict[str, bool]:
+    """The chat template's switches (vLLM's names and defaults): add_generation_prompt (true)
+    ends the text with the assistant's header; continue_final_message (false) ends it inside
+    the last message, which the model then continues."""
+    add = _optional(body, "add_generation_prompt", bool, "a boolean")
+    cont = bool(_optional(body, "continue_final_message", bool, "a boolean"))
+    add = not cont if add is None else add
+    if add and cont:
+        raise bad(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        )
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> GenerateRequest:
@@ -179,12 +251,16 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         if not _fits_float(body.get(key)):
             raise bad(key, f"{key} must be a finite number")
     kwargs = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    _check_seed(body.get("seed"))
+    for key, value in info.sampling_defaults.items():  # what the request leaves unset
+        if key != "max_tokens" and body.get(key) is None:
+            kwargs[key] = value
     if body.get("logit_bias"):
         kwargs["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
     if max_key in body:
         kwargs["max_tokens"] = body[max_key]
     else:
-        kwargs["max_tokens"] = None  # OpenAI's default: up to the context limit
+        kwargs["max_tokens"] = None  # chat: up to the context limit (check_context)
     kwargs["stop"] = _stop(body.get("stop"))
     kwargs["stop_token_ids"] = _stop_token_ids(body.get("stop_token_ids"), info.vocab_size)
     try:
@@ -206,6 +282,12 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         max_tokens_param=max_key,
         cache_salt=salt,
     )
+
+
+def _check_seed(seed: Any) -> None:
+    """vLLM's range: a 64-bit signed integer (the engine keeps 63 bits of it)."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and not -(2**63) <= seed < 2**63:
+        raise bad("seed", "seed must be an integer in [-2**63, 2**63 - 1]")
 
 
 def _fits_float(value: Any) -> bool:
@@ -232,21 +314,31 @@ def _optional(body: dict, key: str, kind: type, allowed: str, param: str | None 
     return value
 
 
-def _messages(value: Any, info: ModelInfo) -> list[dict[str, str]]:
+def _messages(value: Any, info: ModelInfo, check_chars: bool = True) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise bad("messages", "messages must be a non-empty list of messages")
     out, num_chars = [], 0
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise bad("messages", f"messages[{i}] must be an object with a role in {ROLES}")
+        if not isinstance(m, dict) or not _is_role(m.get("role")):
+            # Any role the chat template accepts (vLLM's custom roles); ROLES are OpenAI's.
+            raise bad(
+                "messages",
+                f"messages[{i}] must be an object with a role: a string of 1 to "
+                f"{MAX_ROLE_CHARS} characters such as {', '.join(ROLES)}",
+            )
         content = _content(m.get("content"), i)
         msg = {"role": m["role"], "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         num_chars += len(content)
         out.append(msg)
-    check_num_chars(num_chars, info, "messages")
+    if check_chars:
+        check_num_chars(num_chars, info, "messages")
     return out
+
+
+def _is_role(role: Any) -> bool:
+    return isinstance(role, str) and 0 < len(role) <= MAX_ROLE_CHARS
 
 
 def _content(content: Any, i: int) -> str:
@@ -264,7 +356,7 @@ def _content(content: Any, i: int) -> str:
     return content
 
 
-def _prompts(value: Any, info: ModelInfo) -> list[str | list[int]]:
+def _prompts(value: Any, info: ModelInfo, check_chars: bool = True) -> list[str | list[int]]:
     if isinstance(value, str) or (isinstance(value, list) and value and _is_ids(value)):
         prompts = [value]
     elif isinstance(value, list) and value and len(value) <= MAX_PROMPTS:
@@ -277,7 +369,8 @@ def _prompts(value: Any, info: ModelInfo) -> list[str | list[int]]:
         )
     for p in prompts:
         if isinstance(p, str) and p:
-            check_num_chars(len(p), info, "prompt")
+            if check_chars:
+                check_num_chars(len(p), info, "prompt")
         elif not (isinstance(p, list) and p and _is_ids(p)):
             raise bad("prompt", "each prompt must be a non-empty string or list of token ids")
         elif not all(0 <= t < info.vocab_size for t in p):
@@ -308,6 +401,10 @@ def check_context(
     """OpenAI's context check on the tokenized prompt; returns the params to run with."""
     params, limit = req.params, info.max_model_len
     room = limit - num_prompt_tokens
+    cap = info.sampling_defaults.get("max_tokens")  # unset max_tokens: vLLM's min(cap, room)
+    if params.max_tokens is None and cap is not None and room > 0:
+        num = min(cap, room)
+        return replace(params, max_tokens=num, min_tokens=min(params.min_tokens, num))
     if room > 0 and (params.max_tokens is None or params.max_tokens <= room):
         return params
     if clamp and room > 0:
@@ -320,6 +417,14 @@ def check_context(
         f"the completion). Please reduce the length of the messages or completion.",
         "context_length_exceeded",
     )
+
+
+def truncate_prompt(ids: list[int], req: GenerateRequest) -> list[int]:
+    """truncate_prompt_tokens: the last (truncation_side left) or first N prompt tokens."""
+    keep = req.truncate_prompt_tokens
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[-keep:] if req.truncation_side == "left" else ids[:keep]
 
 
 def _stop(value: Any) -> list[str] | None:
@@ -371,17 +476,20 @@ def _check_logit_bias(value: Any, vocab_size: int) -> None:
         )
 
 
-def parse_tokenize(body: Any, info: ModelInfo) -> tuple[str | list[dict[str, str]], bool]:
-    """/tokenize: {"prompt": str} or {"messages": [...]} -> (text or messages, add_special)."""
+def parse_tokenize(
+    body: Any, info: ModelInfo
+) -> tuple[str | list[dict[str, Any]], bool, dict[str, bool]]:
+    """/tokenize: {"prompt": str} or {"messages": [...]} -> (text or messages, add_special,
+    the chat template's switches: render_options)."""
     body = _object(body)
     add_special = _optional(body, "add_special_tokens", bool, "a boolean")
     if "messages" in body:
-        return _messages(body["messages"], info), bool(add_special)
+        return _messages(body["messages"], info), bool(add_special), render_options(body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad("prompt", "prompt must be a string (or send messages)")
     check_num_chars(len(prompt), info, "prompt")
-    return prompt, add_special is not False
+    return prompt, add_special is not False, {}
 
 
 def parse_detokenize(body: Any, info: ModelInfo) -> list[int]:

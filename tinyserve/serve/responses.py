@@ -8,10 +8,13 @@ last chunk of each choice). Completions: `text_completion`. Logprobs follow each
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinyserve.model.tokenizer import Tokenizer
 from tinyserve.outputs import CompletionOutput
+
+if TYPE_CHECKING:
+    from tinyserve.serve.echo import Extras
 
 DONE = b"data: [DONE]\n\n"
 
@@ -51,6 +54,7 @@ class ResponseBuilder:
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
+        self.extras: Extras | None = None  # vLLM's echo, prompt_logprobs, token ids, usage
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -82,6 +86,8 @@ class ResponseBuilder:
                 }
                 for i, o in choices
             ]
+        if self.extras is not None:
+            self.extras.finish(body, choices)
         body["usage"] = use
         return body
 
@@ -99,9 +105,11 @@ class ResponseBuilder:
         if not o.text and o.finish_reason is None and logprobs is None and not tokenless:
             return b""
         delta = {"content": o.text} if (o.text or not self.chat) else {}
-        return self._chunk(index, delta, o.finish_reason, logprobs, o.stop_reason)
+        return self._chunk(index, delta, o.finish_reason, logprobs, o.stop_reason, o.token_ids)
 
-    def _chunk(self, index, delta, finish_reason, logprobs, stop_reason=None) -> bytes:
+    def _chunk(
+        self, index, delta, finish_reason, logprobs, stop_reason=None, token_ids=None
+    ) -> bytes:
         if self.chat:
             body = self._head("chat.completion.chunk")
             choice = {
@@ -123,6 +131,8 @@ class ResponseBuilder:
         body["choices"] = [choice]
         if self.include_usage:
             body["usage"] = None
+        if self.extras is not None:
+            self.extras.chunk(body, choice, token_ids)
         return sse(body)
 
     def usage_chunk(self, use: dict) -> bytes:
@@ -159,23 +169,36 @@ class ResponseBuilder:
                     }
                 )
             return {"content": content}
-        tokens, token_logprobs, tops, offsets = [], [], [], []
         offset = self.text_offsets.get(index, 0)
-        for tid, entry in zip(o.token_ids, o.logprobs):
+        logprobs, self.text_offsets[index] = self.text_logprobs(o.token_ids, o.logprobs, offset)
+        return logprobs
+
+    def text_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float] | None], offset: int
+    ) -> tuple[dict, int]:
+        """The completions API's logprobs of these tokens, their text starting at `offset`, and
+        the offset after them. An entry None (the prompt's first token, echoed) has no logprob;
+        with logprobs=0 each top_logprobs holds the token itself (vLLM's shape)."""
+        decode, k = self._token_text, self.top_logprobs
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, entries):
             text = decode(tid)
             tokens.append(text)
-            token_logprobs.append(_clamp(entry[tid]))
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-            tops.append({decode(i): _clamp(lp) for i, lp in top})
+            token_logprobs.append(None if entry is None else _clamp(entry[tid]))
+            if entry is None:
+                tops.append(None)
+            else:
+                top = sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else [(tid, entry[tid])]
+                tops.append({decode(i): _clamp(lp) for i, lp in top})
             offsets.append(offset)
             offset += len(text)
-        self.text_offsets[index] = offset
-        return {
+        logprobs = {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
-            "top_logprobs": tops if k else None,
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
+        return logprobs, offset
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:  # token-id-only model (dummy benchmark shapes)

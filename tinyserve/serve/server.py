@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import functools
 import gc
+import importlib.metadata
 import logging
+import os
 import signal
 import time
 import uuid
@@ -24,10 +26,11 @@ from typing import Any
 from aiohttp import web
 
 from tinyserve.engine.async_engine import AsyncEngine, EngineDeadError
+from tinyserve.model.config import sampling_defaults
 from tinyserve.model.tokenizer import ChatTemplateError, Tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import InvalidParameter
-from tinyserve.serve import protocol
+from tinyserve.serve import echo, protocol
 from tinyserve.serve.flight import Flight
 from tinyserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.serve.middleware import (
@@ -47,6 +50,10 @@ from tinyserve.serve.responses import DONE, ResponseBuilder, sse
 log = logging.getLogger("tinyserve.serve.server")
 
 OFFLOAD_CHARS = 8_192  # tokenize longer inputs in the executor (~3 ms of work on the loop)
+try:
+    VERSION = importlib.metadata.version("tinyserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    VERSION = "unknown"
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -72,6 +79,10 @@ class ServerConfig:
     # Seconds a client has to send a request's headers, from the connect or its previous
     # response (slowloris); an idle keep-alive connection is closed after it too.
     header_timeout: float = 10.0
+    # Defaults for the sampling fields a request leaves unset (temperature, top_p, top_k, min_p,
+    # repetition_penalty; max_new_tokens caps an unset max_tokens), vLLM's: "auto" from the
+    # model's generation_config.json, "vllm" none, or a directory holding such a file.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.served_model_name = tuple(self.served_model_name)
@@ -81,6 +92,11 @@ class ServerConfig:
             raise ValueError("allowed_origin: list origins explicitly ('*' is not allowed)")
         if not all(self.allowed_host):
             raise ValueError("allowed_host: names must be non-empty")
+        special = ("auto", "vllm")
+        if self.generation_config not in special and not os.path.isdir(self.generation_config):
+            raise ValueError(
+                f"generation_config: 'auto', 'vllm' or a directory, got {self.generation_config!r}"
+            )
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout}")
         for name, low in [
@@ -95,6 +111,15 @@ class ServerConfig:
                 raise ValueError(f"{name}: must be >= {low}, got {value}")
 
 
+def generation_defaults(config: ServerConfig, model: str) -> dict[str, Any]:
+    """The request defaults `generation_config` names: the generation_config.json of the model
+    ("auto"), of another directory, or none ("vllm"); ValueError for a file with bad values."""
+    if config.generation_config == "vllm":
+        return {}
+    source = model if config.generation_config == "auto" else config.generation_config
+    return sampling_defaults(source)
+
+
 def served_names(config: ServerConfig, model: str) -> tuple[str, ...]:
     """The names clients may send; the first is reported (default: the model directory's)."""
     return config.served_model_name or (model.rstrip("/").rsplit("/", 1)[-1],)
@@ -106,12 +131,19 @@ class ServerState:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         llm = engine.engine
         self.engine, self.config, self.tokenizer = engine, config, llm.tokenizer
-        model = llm.config.model
+        model = self.model_path = llm.config.model
         self.served = served_names(config, model)
         vocab = self.tokenizer.backend.get_vocab() if self.tokenizer else {}
         longest = max(map(len, vocab), default=1)
+        defaults = generation_defaults(config, model)
+        if defaults:
+            log.info("default sampling params (--generation-config): %s", defaults)
         self.info = ModelInfo(
-            self.served + (model,), llm.max_model_len, llm.model_config.vocab_size, max(1, longest)
+            self.served + (model,),
+            llm.max_model_len,
+            llm.model_config.vocab_size,
+            max(1, longest),
+            defaults,
         )
         self.metrics = ServerMetrics(llm, self.served[0])
         self.flights: set[Flight] = set()
@@ -182,6 +214,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     r.add_get("/v1/models", models, **expect)
     r.add_get("/v1/models/{model}", model_card, **expect)
     r.add_get("/health", health, name=PUBLIC_ROUTE, **expect)
+    r.add_get("/version", version, **expect)
     r.add_get("/metrics", metrics, **expect)
     r.add_post("/tokenize", tokenize, **expect)
     r.add_post("/detokenize", detokenize, **expect)
@@ -206,13 +239,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     st.check_admission(1)  # cheap refusals before tokenizing
     num_chars = sum(len(m["content"]) for m in req.messages)
     tokenizer = st.require_tokenizer("messages")
-    ids = await _offload(_render_chat, num_chars, tokenizer, req.messages)
+    ids = await _offload(_render_chat, num_chars, tokenizer, req.messages, req.render_options)
     return await _generate(request, req, [ids], arrival, chat=True)
 
 
-def _render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def _render_chat(tokenizer, messages: list[dict], options: dict | None = None) -> list[int]:
+    """The prompt's ids; `options`: the template's switches (protocol.render_options)."""
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, **(options or {}))
     except ChatTemplateError as e:
         raise protocol.bad("messages", str(e)) from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -240,6 +274,9 @@ async def _generate(
     chat: bool,
 ) -> web.StreamResponse:
     st = request.app[STATE]
+    kept = [protocol.truncate_prompt(ids, req) for ids in prompt_ids]
+    truncated = [len(a) < len(b) for a, b in zip(kept, prompt_ids)]
+    prompt_ids = kept
     params = [
         protocol.check_context(len(ids), req, st.info, st.config.clamp_max_tokens)
         for ids in prompt_ids
@@ -249,6 +286,7 @@ async def _generate(
     builder = ResponseBuilder(
         chat, rid, int(time.time()), st.served[0], st.tokenizer, req.top_logprobs, req.include_usage
     )
+    builder.extras = echo.extras_for(builder, req, prompt_ids, truncated)
     timeout = st.config.request_timeout
     deadline = None if timeout is None else arrival + timeout
     flight = Flight(st, rid, prompt_ids, params, deadline, req.cache_salt)
@@ -276,13 +314,12 @@ async def _stream(request, flight: Flight, builder: ResponseBuilder, n: int):
             await resp.write(b"".join(builder.role_chunk(i) for i in range(len(counts))))
         while (item := await flight.next()) is not None:
             k, delta = item
-            chunks = []
-            for o in delta.outputs:
-                counts[k * n + o.index] += len(o.token_ids)
-                if not (flight.timed_out and o.finish_reason == "abort"):
-                    chunks.append(builder.delta_chunk(k * n + o.index, o))
-            if any(chunks):
-                await resp.write(b"".join(chunks))
+            outputs = [(k * n + o.index, o) for o in delta.outputs]
+            if builder.extras is not None:  # an echo may wait for its prompt's logprobs
+                outputs = builder.extras.feed(k, delta)
+            await _write_outputs(resp, flight, builder, outputs, counts)
+        if builder.extras is not None:
+            await _write_outputs(resp, flight, builder, builder.extras.flush(), counts)
         if flight.timed_out and flight.aborted:  # else it finished just before the deadline
             outcome, error = "timeout", _timeout_error()
         elif builder.include_usage:
@@ -303,6 +340,16 @@ async def _stream(request, flight: Flight, builder: ResponseBuilder, n: int):
     return resp, "aborted" if outcome == "ok" and flight.aborted else outcome
 
 
+async def _write_outputs(resp, flight: Flight, builder: ResponseBuilder, outputs, counts) -> None:
+    chunks = []
+    for i, o in outputs:
+        counts[i] += len(o.token_ids)
+        if not (flight.timed_out and o.finish_reason == "abort"):
+            chunks.append(builder.delta_chunk(i, o))
+    if any(chunks):
+        await resp.write(b"".join(chunks))
+
+
 async def _collect(flight: Flight, builder: ResponseBuilder, n: int):
     merged: dict[int, RequestOutput] = {}
     try:
@@ -311,6 +358,8 @@ async def _collect(flight: Flight, builder: ResponseBuilder, n: int):
             if k not in merged:
                 merged[k] = RequestOutput(delta.request_id, None, [], [])
             merged[k].merge(delta)
+            if builder.extras is not None:
+                builder.extras.feed(k, delta)  # prompt logprobs
     except (EngineDeadError, InvalidParameter) as e:
         raise _as_api_error(e)[1] from None
     if flight.timed_out and flight.aborted:
@@ -360,8 +409,14 @@ def _card(st: ServerState, name: str) -> dict:
         "object": "model",
         "created": st.created,
         "owned_by": "tinyserve",
+        "root": st.model_path,  # vLLM's: the served checkpoint's directory
+        "parent": None,
         "max_model_len": st.info.max_model_len,
     }
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": VERSION})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -381,12 +436,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    what, add_special = protocol.parse_tokenize(await read_json(request), st.info)
+    what, add_special, options = protocol.parse_tokenize(await read_json(request), st.info)
     st.require_tokenizer("prompt")
     if isinstance(what, str):
         ids = await _offload(st.tokenizer.encode, len(what), what, add_special)
     else:
-        ids = await _offload(_render_chat, sum(len(m["content"]) for m in what), st.tokenizer, what)
+        num_chars = sum(len(m["content"]) for m in what)
+        ids = await _offload(_render_chat, num_chars, st.tokenizer, what, options)
     return json_response({"count": len(ids), "max_model_len": st.info.max_model_len, "tokens": ids})
 
 
