@@ -70,9 +70,9 @@ def traced(llm):
     real_launch, real_step = engine.runner.launch, engine.step
     for_seq = {}
 
-    def launch(batch, rows, prev=None):
+    def launch(batch, rows, prev=None, *rest):
         trace["from_device"] += any(s.token_ids[-1] == PLACEHOLDER for s in batch.seqs)
-        return real_launch(batch, rows, prev)
+        return real_launch(batch, rows, prev, *rest)
 
     def step():
         before = {

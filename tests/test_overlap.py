@@ -40,9 +40,9 @@ def test_steps_really_overlap(model_dir):
     launches = []
     real = engine.runner.launch
 
-    def launch(batch, rows, prev=None):
+    def launch(batch, rows, prev=None, *rest):
         launches.append(prev is not None and any(PLACEHOLDER in s.token_ids for s in batch.seqs))
-        return real(batch, rows, prev)
+        return real(batch, rows, prev, *rest)
 
     engine.runner.launch = launch
     engine.step()  # prefill launched, nothing read back yet

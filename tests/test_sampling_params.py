@@ -71,6 +71,8 @@ BAD = [
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
     ("include_stop_str_in_output", None),
+    ("temperature", 10**400),  # past float's range: InvalidParameter, not OverflowError
+    ("top_p", -(10**400)),
 ]
 
 

@@ -22,6 +22,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = (None, "mtp", "ngram")
 
+# One engine step's token budget when none is given (`max_num_batched_tokens=None`), per device.
+# Every running stream waits for the whole step, so a step must stay short wherever it runs; the
+# budget bounds it (a decode row costs about what a prompt token does). On a GPU 8192 tokens take
+# tens of ms. On the CPU, SmolLM2-135M in fp32 (the CPU default without AVX-512 BF16) computed a
+# prompt at ~190 tokens per CPU-second in 256-token steps at short contexts, ~75 at a 4k context
+# (attention then costs more than the matmuls), and a step costs ~0.2 CPU-s more whatever its
+# size (the weights read, logits, sampling): a 64-token step takes ~0.45 CPU-s at short
+# contexts and ~1.3 at 4k, a few hundred ms on two cores, where one 4k-token step (the old
+# default) stalled every stream for ~40 s. Larger models on the CPU want a smaller budget (a
+# step's cost grows with the parameters): pass one.
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 64
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -29,9 +42,11 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = derived from the checkpoint's torch_dtype by the engine
     max_model_len: int | None = None  # None = max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None = per device (*_MAX_NUM_BATCHED_TOKENS)
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None = sized from gpu_memory_utilization
+    # None: on a GPU, sized from gpu_memory_utilization; on the CPU, from max_model_len and
+    # max_num_seqs (runner/kv_cache.py states the rule).
+    num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     seed: int = 0
@@ -63,9 +78,14 @@ class EngineConfig:
             raise InvalidConfig(
                 "load_format", f"{self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "block_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kv_blocks", "prefill_lane_reserve_sms"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "prefill_lane_reserve_sms",
+        ):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         # Triton kernels tile a KV block with tl.arange, which needs a power of two.
@@ -115,6 +135,11 @@ class EngineConfig:
             raise InvalidConfig("device", f"{self.device!r} is not a torch device") from e
         if self.async_scheduling is None:
             self.async_scheduling = device.type != "cpu"
+        if self.max_num_batched_tokens is None:
+            cpu = device.type == "cpu"
+            self.max_num_batched_tokens = (
+                CPU_MAX_NUM_BATCHED_TOKENS if cpu else GPU_MAX_NUM_BATCHED_TOKENS
+            )
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -48,13 +48,15 @@ class LLM:
             )
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, params in zip(prompts, sampling_params):
-            rid = str(self._counter)
-            self._counter += 1
-            self.engine.add_request(rid, prompt, params)
-            order.append(rid)
-        bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
         try:
+            # A structured-outputs spec compiles in add_request (once per distinct spec: the
+            # engine caches them); an invalid one raises InvalidParameter.
+            for prompt, params in zip(prompts, sampling_params):
+                rid = str(self._counter)
+                self._counter += 1
+                self.engine.add_request(rid, prompt, params)
+                order.append(rid)
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
                     out = results.get(delta.request_id)

@@ -7,6 +7,7 @@ No torch: the protocol, the scheduler's `Sequence` and the CLI import this witho
 
 from __future__ import annotations
 
+import json as _json
 import math
 import numbers
 from collections.abc import Callable
@@ -34,7 +35,11 @@ def _real(param: str, value: object, allowed: str, ok: Callable[[float], bool]) 
     # bool is an int subclass; `temperature=True` is a client bug, not 1.0.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _invalid(param, allowed, value)
-    if not math.isfinite(x := float(value)) or not ok(x):
+    try:
+        x = float(value)
+    except OverflowError:  # an int past float's range
+        raise _invalid(param, allowed, value) from None
+    if not math.isfinite(x) or not ok(x):
         raise _invalid(param, allowed, value)
     return x
 
@@ -71,6 +76,73 @@ _NULLABLE = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the output must match exactly one of these. The engine compiles
+    it (xgrammar, sample/grammar.py), so a schema, regex or grammar xgrammar rejects raises
+    InvalidParameter there; the shapes are checked here."""
+
+    json: dict | str | None = None  # a JSON schema, as a dict or as JSON text
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings, verbatim
+    grammar: str | None = None  # EBNF (GBNF) whose start rule is `root`
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    disable_any_whitespace: bool = False  # JSON: no whitespace but the separators (vLLM's)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidParameter(
+                "structured_outputs",
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object (got {', '.join(kinds) or 'none'})",
+            )
+        param = f"structured_outputs.{kinds[0]}"
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError:
+                raise _invalid(param, "a JSON schema (an object)", self.json) from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise _invalid(param, "a JSON schema (an object)", self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise _invalid(param, "a non-empty string", value)
+        if self.choice is not None:
+            ok = isinstance(self.choice, list | tuple) and self.choice
+            if not ok or not all(isinstance(c, str) for c in self.choice):
+                raise _invalid(param, "a non-empty list of strings", self.choice)
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise _invalid(f"structured_outputs.{name}", "a boolean", getattr(self, name))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the grammar is compiled from, also the compile cache's key: ("json" or, without
+        free whitespace, "json-compact", schema text) | ("regex", regex) | ("grammar", EBNF); a
+        choice and json_object become one of these."""
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            # Property order is kept: xgrammar emits properties in the order the schema lists.
+            text = _json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+            return ("json-compact" if self.disable_any_whitespace else "json", text)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:  # JSON string literals are EBNF string literals
+            alternatives = " | ".join(_json.dumps(c, ensure_ascii=False) for c in self.choice)
+            return ("grammar", f"root ::= {alternatives}")
+        return ("grammar", self.grammar)
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -92,9 +164,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # The output must match a JSON schema / regex / choice / grammar (a dict: its fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_logit_bias(self)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = set(so) - set(StructuredOutputsParams.__slots__)
+            if unknown:
+                raise _invalid("structured_outputs", "known fields only", sorted(unknown))
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _invalid("structured_outputs", "a StructuredOutputsParams or a dict", so)
         for name, (allowed, ok) in _REAL_RULES.items():
             setattr(self, name, _real(name, getattr(self, name), allowed, ok))
         for name, (allowed, ok) in _INT_RULES.items():

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from tinyserve.config import EngineConfig
 from tinyserve.engine.llm_engine import LLMEngine
 from tinyserve.outputs import RequestOutput
-from tinyserve.sampling_params import SamplingParams
+from tinyserve.sample.grammar import Grammar
+from tinyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class EngineDeadError(RuntimeError):
@@ -57,19 +58,25 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one delta per engine step that moved this request; the last has finished=True.
 
         Invalid input raises InvalidParameter before anything is queued. `cache_salt` keeps the
-        request's prefix-cache blocks apart from other salts (tenants).
+        request's prefix-cache blocks apart from other salts (tenants). `grammar`: see
+        `compile_grammar`; without it, `params.structured_outputs` is compiled here first.
         """
         if self.error is not None:
             raise EngineDeadError("the engine stopped after an error") from self.error
+        if params is not None and params.structured_outputs is not None and grammar is None:
+            grammar = await self.compile_grammar(params.structured_outputs)
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            self.engine.add_request(
+                request_id, prompt, params, cache_salt=cache_salt, grammar=grammar
+            )
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -86,6 +93,13 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """`LLMEngine.compile_grammar` in the loop's default executor, not the step thread: a
+        schema's compile (up to ~100 ms, without the GIL) holds up neither the loop nor steps.
+        Raises InvalidParameter for an invalid schema, regex or grammar."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.compile_grammar, spec)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

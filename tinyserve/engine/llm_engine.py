@@ -26,8 +26,9 @@ from tinyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tinyserve.runner.model_runner import ModelRunner
 from tinyserve.runner.pending import PendingStep
+from tinyserve.sample.grammar import Grammar, GrammarCompiler, GrammarState, StepBitmask
 from tinyserve.sample.sampler import SamplingRow
-from tinyserve.sampling_params import InvalidParameter, SamplingParams
+from tinyserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from tinyserve.spec.speculator import Speculator
 
 _SEED_MASK = (1 << 63) - 1
@@ -56,6 +57,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+    grammars: list[GrammarState] = field(default_factory=list)  # per sequence (structured outputs)
     arrival_time: float = 0.0
     # SamplingParams.prompt_logprobs, filled chunk by chunk by completion 0's prefill; handed
     # over (and dropped here) with its first token's delta.
@@ -134,6 +136,19 @@ class LLMEngine:
         self._aborted: deque[str] = deque()
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
+        vocab, eos = self.model_config.vocab_size, self.model_config.eos_token_ids
+        self.grammar_compiler = (
+            GrammarCompiler(self.tokenizer, vocab, eos) if has_tokenizer else None
+        )
+        self._bitmask = StepBitmask(vocab, pin=device.type == "cuda")
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """The compiled grammar of a structured-outputs spec (cached by spec), for `add_request`.
+        Thread-safe and GIL-free while compiling: the server calls it in an executor. Raises
+        InvalidParameter for a schema, regex or grammar xgrammar rejects."""
+        if self.grammar_compiler is None:
+            raise InvalidParameter("structured_outputs", "this model has no tokenizer")
+        return self.grammar_compiler.compile(spec)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -151,11 +166,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         mm_spans: list[tuple[int, int, str]] = (),
+        grammar: Grammar | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidParameter for bad input (nothing queued).
 
         `cache_salt` isolates the request's prefix-cache entries from other salts (tenants);
         `mm_spans` are (start, end, content hash) of media placeholder ranges in the prompt.
+        `grammar`: `compile_grammar(params.structured_outputs)`, compiled off the caller's
+        thread; without it a spec is compiled here.
         """
         params = params or SamplingParams()
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
@@ -180,7 +198,11 @@ class LLMEngine:
             )
         if request_id in self.requests or any(r.request_id == request_id for r in self._new):
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        if (spec := params.structured_outputs) is not None and grammar is None:
+            grammar = self.compile_grammar(spec)
+        assert grammar is None or (spec is not None and grammar.key == spec.key), "wrong grammar"
         req = Request(request_id, text, prompt_ids, params, arrival_time=time.monotonic())
+        req.grammars = [grammar.matcher() for _ in range(params.n)] if grammar else []
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt_ids)  # the first token's stays None
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -268,7 +290,8 @@ class LLMEngine:
             self.runner.lane.launch(seq.token_ids[start : start + num], start, seq.block_table)
 
     def _needs_sync(self, p: SamplingParams) -> bool:
-        return p.needs_token_values or (self.spec is not None and p.needs_output_count)
+        grammar = p.structured_outputs is not None  # masks need the matchers advanced
+        return p.needs_token_values or grammar or (self.spec is not None and p.needs_output_count)
 
     def _can_overlap(self) -> bool:
         """The overlapped loop needs every next input computable on the device: not with
@@ -286,7 +309,10 @@ class LLMEngine:
         rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
         drafted = [len(seq.draft_ids) for seq in batch.seqs]
         prev = self._in_flight.pending if overlap and self._in_flight else None
-        pending = self.runner.launch(batch, rows, prev)
+        bitmask = None
+        if self._num_sync_requests:  # grammar masks, after the last step's tokens advanced them
+            bitmask = self._bitmask.fill([batch.seqs[i] for i in sampled], self._grammar)
+        pending = self.runner.launch(batch, rows, prev, bitmask)
         positions = None
         if overlap:  # advance now: the next schedule must see this step's tokens as computed
             positions = {}
@@ -354,7 +380,12 @@ class LLMEngine:
                 seq.draft_ids = (
                     self.spec.next_drafts(seq, out.draft_ids, self.max_model_len) if running else []
                 )
+                if seq.draft_ids and seq.params.structured_outputs is not None:
+                    seq.draft_ids = self._grammar(seq).valid_drafts(seq.draft_ids)
             self._delta(deltas, self.requests[seq.request_id], seq, *delta)
+
+    def _grammar(self, seq: Sequence) -> GrammarState:
+        return self.requests[seq.request_id].grammars[seq.index]
 
     def _sampling_rows(self, seq: Sequence) -> list[SamplingRow]:
         """One row per position sampled: the last token's, then one after each draft (the RNG
@@ -395,6 +426,8 @@ class LLMEngine:
                 reason, stop_reason = "stop", detok.stop_reason
                 if p.include_stop_str_in_output:
                     text += detok.stop_reason
+            elif req.grammars and req.grammars[seq.index].finishes_on(token):
+                reason = "stop"  # the grammar ended (its EOS taken, even with ignore_eos)
             elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason is not None:

@@ -29,6 +29,7 @@ from tinyserve.runner.pending import PendingStep, PromptScores, to_host
 from tinyserve.runner.prefill_lane import build_lane
 from tinyserve.runner.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
 from tinyserve.runner.warmup import compile_start_up
+from tinyserve.sample.grammar import TokenBitmask
 from tinyserve.sample.sampler import (
     SampleResult,
     SamplingRow,
@@ -240,11 +241,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, batch: ScheduledBatch, rows: list[SamplingRow], prev: PendingStep | None = None
+        self,
+        batch: ScheduledBatch,
+        rows: list[SamplingRow],
+        prev: PendingStep | None = None,
+        bitmask: TokenBitmask | None = None,
     ) -> PendingStep:
         """Forward the batch and sample every logits row (`rows`: one per sampling sequence,
-        plus one per draft of a speculative row), enqueued on the device; returns at once and
-        `result()` waits for it.
+        plus one per draft of a speculative row; `bitmask`: the grammar masks of some of them),
+        enqueued on the device; returns at once and `result()` waits for it.
 
         Token ids still PLACEHOLDER on the host (sampled by `prev`, not read back yet) are
         taken from `prev`'s sampled ids on the device (`seq.pending_row`), so this step can be
@@ -290,7 +295,7 @@ class ModelRunner:
         graph_rows = all_logits is not None and (
             len(h.logits_idx) == len(h.input_ids) or graphs.prefill or graphs.mixed
         )
-        if graph_rows and plain_greedy(rows):
+        if graph_rows and bitmask is None and plain_greedy(rows):
             # The graph's own argmax is exactly what `sample` would compute (verify graphs too:
             # the next step reads it, on the device, before the next replay rewrites it).
             result = SampleResult(graphs.last_sampled[: len(rows)], None, None, None)
@@ -298,7 +303,7 @@ class ModelRunner:
             logits = self._logits(h, x, hidden, all_logits, graph_rows)
             self._mask_stop_tokens(logits, rows)
             steps = self._step_shift(prev, s.shift, len(rows)) if s.shift is not None else None
-            st = SamplingTensors.build(rows, logits.shape[-1], self.device, steps)
+            st = SamplingTensors.build(rows, logits.shape[-1], self.device, steps, bitmask)
             result = sample(logits, st)
         # 4. Speculative steps: accepted counts and the next drafts, all on the device.
         sampled = result.token_ids

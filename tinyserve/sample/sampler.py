@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tinyserve.sample.grammar import DeviceBitmask, TokenBitmask, apply_token_bitmask
 from tinyserve.sample.transfer import packed_to_device
 from tinyserve.sampling_params import SamplingParams
 
@@ -81,6 +82,7 @@ class SamplingTensors:
     do_min_p: bool
     num_logprobs: int | None  # K = max logprobs asked; None when no row asked
     bias: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, ids, values) of logit_bias
+    token_bitmask: DeviceBitmask | None = None  # structured outputs' rows (sample/grammar.py)
 
     @classmethod
     def build(
@@ -89,9 +91,11 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         step_shift: Tensor | None = None,
+        bitmask: TokenBitmask | None = None,
     ) -> SamplingTensors:
         """`step_shift` (B,) int64 on the device: counter steps still to add to the rows' own
-        (the overlapped speculative loop: drafts accepted by the step in flight)."""
+        (the overlapped speculative loop: drafts accepted by the step in flight). `bitmask`:
+        the grammar masks of constrained rows, filled on the host by the engine."""
         assert rows, "empty batch"
         device = torch.device(device)
         V = vocab_size
@@ -156,6 +160,7 @@ class SamplingTensors:
         bias = (next(views), next(views), next(views)) if bias else None
         return cls(
             bias=bias or None,
+            token_bitmask=bitmask.to_device(device) if bitmask is not None else None,
             temperature=f[0],
             top_p=f[1],
             min_p=f[2],
@@ -307,6 +312,10 @@ def sample(logits: Tensor, t: SamplingTensors) -> SampleResult:
     the input is not modified."""
     assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, (logits.shape, t.vocab_size)
     raw = logits.float()
+    if t.token_bitmask is not None:
+        # Structured outputs mask first (vLLM's order): bias, penalties and filters see only
+        # the tokens the grammar allows, and logprobs are those of the masked distribution.
+        raw = apply_token_bitmask(raw.clone() if raw is logits else raw, t.token_bitmask)
     x = raw
     if t.bias is not None:  # logit_bias first, then penalties (vLLM's order)
         x = raw.index_put(t.bias[:2], t.bias[2], accumulate=True)

@@ -4,6 +4,10 @@ A request with P prompts is P engine requests (ids `{rid}-{k}` when P > 1), each
 into one queue, so the handler reads one stream of (prompt index, delta). `close()` cancels the
 pumps, which aborts every engine request still running (AsyncEngine.generate's rule): a client
 that goes away frees its KV blocks at the next engine step.
+
+`end()` (the request deadline, the drain's) ends the flight at once, without waiting for the
+engine's step: each choice still open gets a final delta with finish_reason "abort", queued
+behind the deltas already there, and the engine frees the requests at its next step.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
-from tinyserve.outputs import RequestOutput
+from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.serve.metrics import SeqTimes
 from tinyserve.serve.responses import usage
 
 if TYPE_CHECKING:
     from tinyserve.serve.server import ServerState
+
+_END = object()  # queued by `end()`: the prompt's stream ends here with finish_reason "abort"
 
 
 class Flight:
@@ -42,7 +48,8 @@ class Flight:
         self.timed_out = False
         self.aborted = False  # some choice ended with finish_reason "abort"
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._num_open = num
+        self._is_open = [True] * num  # prompt k's stream has not ended (its pump's rest is dropped)
+        self._open_choices = [set(range(p.n)) for p in params]  # without a finish_reason yet
         st.flights.add(self)
         st.num_waiting += num
         loop = asyncio.get_running_loop()
@@ -69,17 +76,26 @@ class Flight:
 
     async def next(self) -> tuple[int, RequestOutput] | None:
         """The next (prompt index, delta); None when every engine request has finished."""
-        while self._num_open:
+        while any(self._is_open):
             k, item = await self._queue.get()
+            if not self._is_open[k]:
+                continue  # what the pump still sent after `end()` closed this prompt
+            if item is _END:
+                item = self._abort_delta(k)
+            if item is None or isinstance(item, BaseException) or item.finished:
+                self._is_open[k] = False
             if item is None:
-                self._num_open -= 1
                 continue
             if isinstance(item, BaseException):
-                self._num_open -= 1
                 raise item
             self._account(k, item)
             return k, item
         return None
+
+    def _abort_delta(self, k: int) -> RequestOutput:
+        choices = sorted(self._open_choices[k])
+        outputs = [CompletionOutput(i, finish_reason="abort") for i in choices]
+        return RequestOutput(self.engine_ids[k], None, [], outputs, True, self.num_cached[k])
 
     def _account(self, k: int, delta: RequestOutput) -> None:
         m = self.st.metrics
@@ -88,7 +104,10 @@ class Flight:
             self.st.num_waiting -= 1
         m.on_output(self.times[k], sum(len(o.token_ids) for o in delta.outputs))
         self.num_cached[k] = delta.num_cached_tokens
-        self.aborted |= any(o.finish_reason == "abort" for o in delta.outputs)
+        for o in delta.outputs:
+            if o.finish_reason is not None:
+                self._open_choices[k].discard(o.index)
+                self.aborted |= o.finish_reason == "abort"
         if delta.finished:
             m.on_finish(self.times[k], self.prompt_lens[k], delta.num_cached_tokens)
 
@@ -99,9 +118,16 @@ class Flight:
         for engine_id in self.engine_ids:
             self.st.engine.abort(engine_id)
 
+    def end(self) -> None:
+        """End every prompt still open now with finish_reason "abort" (see the module)."""
+        self.abort()
+        for k, is_open in enumerate(self._is_open):
+            if is_open:
+                self._queue.put_nowait((k, _END))
+
     def _expire(self) -> None:
         self.timed_out = True
-        self.abort()
+        self.end()
 
     async def close(self, outcome: str | None) -> None:
         # Bookkeeping first, without awaiting: the handler may be cancelled at any await here

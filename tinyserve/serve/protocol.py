@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from tinyserve.serve import structured
+from tinyserve.serve.tools import ToolRequest, message_fields
 
 MAX_N = 16  # choices per prompt; each one is a sequence in the batch
 MAX_PROMPTS = 16  # prompts in one /v1/completions batch
@@ -119,6 +121,9 @@ class GenerateRequest:
     prompts: list[str | list[int]] | None = None  # completions: text or token ids
     max_tokens_param: str = "max_tokens"  # the field the client used, named in errors
     cache_salt: str | None = None  # vLLM's per-tenant prefix-cache isolation
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
+    # The field params.structured_outputs came from, named in its errors (serve/structured.py).
+    structured_param: str = "structured_outputs"
     # vLLM's extras (responses: serve/echo.py)
     echo: bool = False  # completions: the prompt, with its logprobs, before each completion
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (lm-eval's loglikelihood)
@@ -132,13 +137,6 @@ class GenerateRequest:
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
     body = _object(body)
-    if body.get("tools") or body.get("functions"):
-        raise unsupported("tools", "tool calling")
-    if body.get("tool_choice") not in (None, "none"):
-        raise unsupported("tool_choice", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", "response_format other than text")
     logprobs = _optional(body, "logprobs", bool, "a boolean")
     top = _optional(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -152,7 +150,15 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
     req.messages = messages
     req.render_options = render_options(body)
     _extras(req, body, info)
+    _structured(req, body, chat=True)
     return req
+
+
+def _structured(req: GenerateRequest, body: dict, chat: bool) -> None:
+    try:
+        structured.apply(req, body, chat)
+    except InvalidParameter as e:
+        raise bad(e.param, str(e)) from None
 
 
 def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
@@ -172,6 +178,7 @@ def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
     req.prompts = prompts
     req.echo, req.echo_only = echo, echo_only
     _extras(req, body, info)
+    _structured(req, body, chat=False)
     return req
 
 
@@ -314,7 +321,7 @@ def _optional(body: dict, key: str, kind: type, allowed: str, param: str | None 
     return value
 
 
-def _messages(value: Any, info: ModelInfo, check_chars: bool = True) -> list[dict[str, str]]:
+def _messages(value: Any, info: ModelInfo, check_chars: bool = True) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad("messages", "messages must be a non-empty list of messages")
     out, num_chars = [], 0
@@ -326,8 +333,14 @@ def _messages(value: Any, info: ModelInfo, check_chars: bool = True) -> list[dic
                 f"messages[{i}] must be an object with a role: a string of 1 to "
                 f"{MAX_ROLE_CHARS} characters such as {', '.join(ROLES)}",
             )
-        content = _content(m.get("content"), i)
-        msg = {"role": m["role"], "content": content}
+        try:
+            extra = message_fields(m, i)  # tool_calls, tool_call_id
+        except InvalidParameter as e:
+            raise bad(e.param, str(e)) from None
+        # A tool call may come without content, a tool's result may be empty.
+        empty = m.get("content") in (None, "") and ("tool_calls" in extra or m["role"] == "tool")
+        content = "" if empty else _content(m.get("content"), i)
+        msg = {"role": m["role"], "content": content, **extra}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         num_chars += len(content)

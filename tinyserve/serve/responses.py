@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tinyserve.model.tokenizer import Tokenizer
 from tinyserve.outputs import CompletionOutput
+from tinyserve.serve.tool_parser import ToolStreams
 
 if TYPE_CHECKING:
     from tinyserve.serve.echo import Extras
@@ -54,6 +55,7 @@ class ResponseBuilder:
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
+        self.tools: ToolStreams | None = None  # chat with tools: tool_calls parsed from the text
         self.extras: Extras | None = None  # vLLM's echo, prompt_logprobs, token ids, usage
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -86,10 +88,16 @@ class ResponseBuilder:
                 }
                 for i, o in choices
             ]
+        if self.tools is not None:
+            self._apply_tools(body["choices"], choices)
         if self.extras is not None:
             self.extras.finish(body, choices)
         body["usage"] = use
         return body
+
+    def _apply_tools(self, bodies: list[dict], choices: list[tuple[int, CompletionOutput]]) -> None:
+        for body, (_, o) in zip(bodies, choices):
+            body["message"], body["finish_reason"] = self.tools.message(o.text, o.finish_reason)
 
     # -- streaming ----------------------------------------------------------------------------
 
@@ -99,13 +107,18 @@ class ResponseBuilder:
     def delta_chunk(self, index: int, o: CompletionOutput) -> bytes:
         """One choice's step as an SSE chunk; b"" when there is nothing to tell."""
         logprobs = self._logprobs(index, o)
+        text, calls, finish_reason = o.text, None, o.finish_reason
+        if self.tools is not None:  # a call's text leaves as tool_calls deltas, never content
+            text, calls, finish_reason = self.tools.feed(index, o.text, o.finish_reason)
         # Nothing to tell: text held back (a stop string may be forming, half a character).
         # A model without a tokenizer has no text at all: each step's chunk still goes out.
         tokenless = self.tokenizer is None and o.token_ids
-        if not o.text and o.finish_reason is None and logprobs is None and not tokenless:
+        if not (text or calls) and finish_reason is None and logprobs is None and not tokenless:
             return b""
-        delta = {"content": o.text} if (o.text or not self.chat) else {}
-        return self._chunk(index, delta, o.finish_reason, logprobs, o.stop_reason, o.token_ids)
+        delta = {"content": text} if (text or not self.chat) else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return self._chunk(index, delta, finish_reason, logprobs, o.stop_reason, o.token_ids)
 
     def _chunk(
         self, index, delta, finish_reason, logprobs, stop_reason=None, token_ids=None

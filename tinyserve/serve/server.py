@@ -30,7 +30,7 @@ from tinyserve.model.config import sampling_defaults
 from tinyserve.model.tokenizer import ChatTemplateError, Tokenizer
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import InvalidParameter
-from tinyserve.serve import echo, protocol
+from tinyserve.serve import echo, protocol, structured
 from tinyserve.serve.flight import Flight
 from tinyserve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from tinyserve.serve.middleware import (
@@ -239,14 +239,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     st.check_admission(1)  # cheap refusals before tokenizing
     num_chars = sum(len(m["content"]) for m in req.messages)
     tokenizer = st.require_tokenizer("messages")
-    ids = await _offload(_render_chat, num_chars, tokenizer, req.messages, req.render_options)
+    await _prepare_grammar(st, req)
+    tools = req.tools.tools if req.tools is not None else None
+    messages, options = req.messages, req.render_options
+    ids = await _offload(_render_chat, num_chars, tokenizer, messages, tools, options)
     return await _generate(request, req, [ids], arrival, chat=True)
 
 
-def _render_chat(tokenizer, messages: list[dict], options: dict | None = None) -> list[int]:
-    """The prompt's ids; `options`: the template's switches (protocol.render_options)."""
+async def _prepare_grammar(st: ServerState, req: GenerateRequest) -> None:
+    """Compile the request's structured-output grammar off the loop before anything is queued:
+    an invalid schema, regex or grammar is a 400 here."""
     try:
-        text = tokenizer.apply_chat_template(messages, **(options or {}))
+        await structured.prepare(st.engine, req, st.tokenizer)
+    except InvalidParameter as e:
+        raise protocol.bad(e.param, str(e)) from None
+
+
+def _render_chat(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None
+) -> list[int]:
+    """The prompt's ids; `tools` reach the template's own `tools` variable (as vLLM: a template
+    that ignores them renders none); `options`: protocol.render_options."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, **(options or {}))
     except ChatTemplateError as e:
         raise protocol.bad("messages", str(e)) from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -257,6 +272,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     req = protocol.parse_completion(await read_json(request), st.info)
     st.check_admission(len(req.prompts))
+    await _prepare_grammar(st, req)
     ids = []
     for p in req.prompts:
         if isinstance(p, list):
@@ -286,6 +302,8 @@ async def _generate(
     builder = ResponseBuilder(
         chat, rid, int(time.time()), st.served[0], st.tokenizer, req.top_logprobs, req.include_usage
     )
+    if chat and req.tools is not None:
+        builder.tools = req.tools.streams()  # tool_calls parsed out of each choice's text
     builder.extras = echo.extras_for(builder, req, prompt_ids, truncated)
     timeout = st.config.request_timeout
     deadline = None if timeout is None else arrival + timeout
@@ -442,7 +460,7 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = await _offload(st.tokenizer.encode, len(what), what, add_special)
     else:
         num_chars = sum(len(m["content"]) for m in what)
-        ids = await _offload(_render_chat, num_chars, st.tokenizer, what, options)
+        ids = await _offload(_render_chat, num_chars, st.tokenizer, what, None, options)
     return json_response({"count": len(ids), "max_model_len": st.info.max_model_len, "tokens": ids})
 
 
@@ -455,9 +473,16 @@ async def detokenize(request: web.Request) -> web.Response:
 
 # -- running: signals, drain, fatal errors --------------------------------------------------------
 
+# Seconds the handlers get to write their last chunks once the drain ended their requests (they
+# wait on the loop only; a client that reads nothing is cut by the runner's cleanup after it).
+DRAIN_WRITE_S = 2.0
+
 
 async def drain(app: web.Application, timeout: float) -> None:
-    """Refuse new requests (503), let in-flight ones finish for `timeout` s, then abort them."""
+    """Refuse new requests (503), let in-flight ones finish for `timeout` s, then end the rest at
+    once: each gets its final chunk with finish_reason "abort" and `data: [DONE]` (a complete
+    body when not streaming) without waiting for the engine's step, which frees their blocks at
+    its next one. Returns when every handler wrote its end (or after DRAIN_WRITE_S)."""
     st = app[STATE]
     st.draining = True
     loop = asyncio.get_running_loop()
@@ -465,8 +490,8 @@ async def drain(app: web.Application, timeout: float) -> None:
     while st.flights and loop.time() < deadline:
         await asyncio.sleep(0.05)
     for flight in list(st.flights):
-        flight.abort()  # they end with finish_reason "abort"
-    deadline = loop.time() + 5.0
+        flight.end()
+    deadline = loop.time() + DRAIN_WRITE_S
     while st.flights and loop.time() < deadline:
         await asyncio.sleep(0.02)
 
