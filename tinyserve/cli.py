@@ -250,11 +250,17 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     "min_p, repetition_penalty; max_new_tokens caps an unset max_tokens), as vLLM: 'auto' from "
     "the model's generation_config.json, 'vllm' none, or a directory holding one.",
 )
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(["qwen3", "deepseek_r1"]),
+    default=None,
+    help="Split a thinking model's <think>...</think> reasoning from its answer: message."
+    "reasoning in chat (default: none, the text is all answer).",
+)
 def run(**kwargs) -> None:
     """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics, /tokenize, /detokenize, /version. POST bodies must be sent with
-    'Content-Type: application/json' (415 otherwise), so that no web page can post one without
-    CORS."""
+    /health, /metrics, /tokenize, /detokenize, /version. POST bodies must be sent with 'Content-Type: application/json' (415 otherwise), so that no
+    web page can post one without CORS."""
     import logging
 
     import uvloop

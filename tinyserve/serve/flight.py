@@ -22,7 +22,7 @@ from tinyserve.serve.metrics import SeqTimes
 from tinyserve.serve.responses import usage
 
 if TYPE_CHECKING:
-    from tinyserve.serve.server import ServerState
+    from tinyserve.serve.state import ServerState
 
 _END = object()  # queued by `end()`: the prompt's stream ends here with finish_reason "abort"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
-from tinyserve.serve import structured
+from tinyserve.serve import chat_template, structured
 from tinyserve.serve.tools import ToolRequest, message_fields
 
 MAX_N = 16  # choices per prompt; each one is a sequence in the batch
@@ -131,8 +131,9 @@ class GenerateRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on each chunk
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context)
     truncation_side: str = "left"  # left: keep the last ones; right: the first ones
-    # Chat template switches: add_generation_prompt, continue_final_message.
-    render_options: dict[str, bool] = field(default_factory=dict)
+    # Chat template switches (add_generation_prompt, continue_final_message) and
+    # chat_template_kwargs: serve/chat_template.py.
+    render_options: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
@@ -219,19 +220,12 @@ def _extras(req: GenerateRequest, body: dict, info: ModelInfo) -> None:
     req.truncation_side = side or "left"
 
 
-def render_options(body: dict) -> dict[str, bool]:
-    """The chat template's switches (vLLM's names and defaults): add_generation_prompt (true)
-    ends the text with the assistant's header; continue_final_message (false) ends it inside
-    the last message, which the model then continues."""
-    add = _optional(body, "add_generation_prompt", bool, "a boolean")
-    cont = bool(_optional(body, "continue_final_message", bool, "a boolean"))
-    add = not cont if add is None else add
-    if add and cont:
-        raise bad(
-            "continue_final_message",
-            "continue_final_message and add_generation_prompt cannot both be true",
-        )
-    return {"add_generation_prompt": add, "continue_final_message": cont}
+def render_options(body: dict) -> dict[str, Any]:
+    """The chat template's switches and chat_template_kwargs (serve/chat_template.py)."""
+    try:
+        return chat_template.render_options(body)
+    except InvalidParameter as e:
+        raise bad(e.param, str(e)) from None
 
 
 def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> GenerateRequest:
@@ -337,13 +331,20 @@ def _messages(value: Any, info: ModelInfo, check_chars: bool = True) -> list[dic
             extra = message_fields(m, i)  # tool_calls, tool_call_id
         except InvalidParameter as e:
             raise bad(e.param, str(e)) from None
-        # A tool call may come without content, a tool's result may be empty.
-        empty = m.get("content") in (None, "") and ("tool_calls" in extra or m["role"] == "tool")
+        # An assistant's reasoning, for templates that render it (Qwen3's reasoning_content).
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if reasoning is not None and (m["role"] != "assistant" or not isinstance(reasoning, str)):
+            raise bad("messages", f"messages[{i}].reasoning_content must be a string, on assistant")
+        if reasoning is not None:
+            extra["reasoning_content"] = reasoning
+        # A tool call (or a reasoning) may come without content, a tool's result may be empty.
+        unsaid = {"tool_calls", "reasoning_content"} & extra.keys() or m["role"] == "tool"
+        empty = m.get("content") in (None, "") and unsaid
         content = "" if empty else _content(m.get("content"), i)
         msg = {"role": m["role"], "content": content, **extra}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
-        num_chars += len(content)
+        num_chars += len(content) + len(reasoning or "")
         out.append(msg)
     if check_chars:
         check_num_chars(num_chars, info, "messages")
@@ -491,9 +492,9 @@ def _check_logit_bias(value: Any, vocab_size: int) -> None:
 
 def parse_tokenize(
     body: Any, info: ModelInfo
-) -> tuple[str | list[dict[str, Any]], bool, dict[str, bool]]:
+) -> tuple[str | list[dict[str, Any]], bool, dict[str, Any]]:
     """/tokenize: {"prompt": str} or {"messages": [...]} -> (text or messages, add_special,
-    the chat template's switches: render_options)."""
+    the chat template's switches and kwargs: render_options)."""
     body = _object(body)
     add_special = _optional(body, "add_special_tokens", bool, "a boolean")
     if "messages" in body:

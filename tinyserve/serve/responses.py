@@ -1,8 +1,10 @@
 """OpenAI response bodies and SSE chunks built from the engine's CompletionOutputs.
 
-Chat: `chat.completion` / `chat.completion.chunk` (role first, then content, finish_reason on the
-last chunk of each choice). Completions: `text_completion`. Logprobs follow each API's own shape;
--inf is clamped to -9999.0 (as vLLM) because JSON has no infinity.
+Chat: `chat.completion` / `chat.completion.chunk` (role first, then reasoning, then content,
+finish_reason on the last chunk of each choice). Completions: `text_completion`. Logprobs follow
+each API's own shape; -inf is clamped to -9999.0 (as vLLM) because JSON has no infinity. The
+builder interface the request path drives (serve/generate.py): start, delta_chunk, finish,
+error_event, close (streams), response (whole bodies).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from tinyserve.model.tokenizer import Tokenizer
 from tinyserve.outputs import CompletionOutput
-from tinyserve.serve.tool_parser import ToolStreams
+from tinyserve.serve.reasoning import OutputSplit
 
 if TYPE_CHECKING:
     from tinyserve.serve.echo import Extras
+    from tinyserve.serve.protocol import APIError
 
 DONE = b"data: [DONE]\n\n"
 
@@ -55,7 +58,8 @@ class ResponseBuilder:
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         self.text_offsets: dict[int, int] = {}  # completions' logprobs.text_offset, per choice
-        self.tools: ToolStreams | None = None  # chat with tools: tool_calls parsed from the text
+        # chat: reasoning split off (--reasoning-parser), tool_calls parsed from the answer
+        self.split: OutputSplit | None = None
         self.extras: Extras | None = None  # vLLM's echo, prompt_logprobs, token ids, usage
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -88,40 +92,78 @@ class ResponseBuilder:
                 }
                 for i, o in choices
             ]
-        if self.tools is not None:
-            self._apply_tools(body["choices"], choices)
+        if self.split is not None:
+            self._split(body["choices"], choices)
+            if self.split.has_reasoning:
+                num = sum(self.split.num_reasoning_tokens(i, o) for i, o in choices)
+                use = use | {"completion_tokens_details": {"reasoning_tokens": num}}
         if self.extras is not None:
             self.extras.finish(body, choices)
         body["usage"] = use
         return body
 
-    def _apply_tools(self, bodies: list[dict], choices: list[tuple[int, CompletionOutput]]) -> None:
+    def _split(self, bodies: list[dict], choices: list[tuple[int, CompletionOutput]]) -> None:
         for body, (_, o) in zip(bodies, choices):
-            body["message"], body["finish_reason"] = self.tools.message(o.text, o.finish_reason)
+            reasoning, content, calls, body["finish_reason"] = self.split.whole(o)
+            message = body["message"] = {"role": "assistant", "content": content}
+            if self.split.has_reasoning:  # vLLM's name, and the older one
+                message["reasoning"] = message["reasoning_content"] = reasoning
+            elif content is None and not calls:
+                message["content"] = ""
+            if calls:
+                message["tool_calls"] = calls
 
     # -- streaming ----------------------------------------------------------------------------
+
+    def start(self, num_choices: int) -> bytes:
+        if not self.chat:
+            return b""
+        return b"".join(self.role_chunk(i) for i in range(num_choices))
+
+    def finish(self, use: dict) -> bytes:
+        if not self.include_usage:
+            return b""
+        if self.split is not None and self.split.has_reasoning:
+            num = sum(self.split.num_reasoning_tokens(i) for i in self.split.parsers)
+            use = use | {"completion_tokens_details": {"reasoning_tokens": num}}
+        return self.usage_chunk(use)
+
+    def error_event(self, error: APIError) -> bytes:
+        return sse(error.body)
+
+    def close(self) -> bytes:
+        return DONE
 
     def role_chunk(self, index: int) -> bytes:
         return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def delta_chunk(self, index: int, o: CompletionOutput) -> bytes:
-        """One choice's step as an SSE chunk; b"" when there is nothing to tell."""
+        """One choice's step as an SSE chunk; b"" when there is nothing to tell. Reasoning goes
+        in a chunk of its own, before the answer's."""
         logprobs = self._logprobs(index, o)
-        text, calls, finish_reason = o.text, None, o.finish_reason
-        if self.tools is not None:  # a call's text leaves as tool_calls deltas, never content
-            text, calls, finish_reason = self.tools.feed(index, o.text, o.finish_reason)
+        reasoning, text, calls, finish_reason = "", o.text, None, o.finish_reason
+        if self.split is not None:  # a call's text leaves as tool_calls deltas, never content
+            reasoning, text, calls, finish_reason = self.split.feed(index, o)
         # Nothing to tell: text held back (a stop string may be forming, half a character).
         # A model without a tokenizer has no text at all: each step's chunk still goes out.
         tokenless = self.tokenizer is None and o.token_ids
         if not (text or calls) and finish_reason is None and logprobs is None and not tokenless:
-            return b""
+            if not reasoning:
+                return b""
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning}
+            return self._chunk(index, delta, token_ids=o.token_ids)
+        first = b""
+        if reasoning:
+            first = self._chunk(index, {"reasoning": reasoning, "reasoning_content": reasoning})
         delta = {"content": text} if (text or not self.chat) else {}
         if calls:
             delta["tool_calls"] = calls
-        return self._chunk(index, delta, finish_reason, logprobs, o.stop_reason, o.token_ids)
+        return first + self._chunk(
+            index, delta, finish_reason, logprobs, o.stop_reason, o.token_ids
+        )
 
     def _chunk(
-        self, index, delta, finish_reason, logprobs, stop_reason=None, token_ids=None
+        self, index, delta, finish_reason=None, logprobs=None, stop_reason=None, token_ids=None
     ) -> bytes:
         if self.chat:
             body = self._head("chat.completion.chunk")
