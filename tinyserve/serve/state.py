@@ -1,6 +1,6 @@
 """What every handler shares: the server's configuration (`ServerConfig`, the fields of `tinyserve
 run`'s flags) and its state (`ServerState`, one per app, under `STATE`): the engine, the model's
-facts for validation, metrics, requests in flight, admission (429 / 503).
+facts for validation, metrics, requests in flight, admission (429 / 503), stored responses.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tinyserve.serve.flight import Flight
 from tinyserve.serve.metrics import ServerMetrics
 from tinyserve.serve.protocol import APIError, ModelInfo
 from tinyserve.serve.reasoning import PARSERS
+from tinyserve.serve.response_store import ResponseStore
 
 log = logging.getLogger("tinyserve.serve.server")
 
@@ -121,6 +122,7 @@ class ServerState:
         self.num_waiting = 0  # engine requests without their first output yet (backpressure)
         self.draining = False
         self.created = int(time.time())
+        self.store = ResponseStore()  # /v1/responses kept for previous_response_id
 
     def require_tokenizer(self, param: str) -> Tokenizer:
         """Checkpoints without tokenizer.json (dummy benchmark shapes) serve token ids only."""
