@@ -1,6 +1,7 @@
-"""Fuzz: 500 seeded, mutated bodies per POST route, then hypothesis over every route's body schema.
-Never a 5xx, always the OpenAI error shape on a 4xx, complete SSE streams on a 200, and the
-engine's invariants (and /health) afterwards.
+"""Fuzz: 500 seeded, mutated bodies per POST route (200 on the Responses and Messages APIs' routes),
+then hypothesis over every route's body schema. Never a 5xx, always the route's error shape on a
+4xx (Anthropic's on /v1/messages, else OpenAI's), complete SSE streams on a 200, and the engine's
+invariants (and /health) afterwards.
 
 Mutated bodies start valid and take 1-3 random mutations (edge-case values for known fields,
 dropped and unknown keys, wrong shapes, raw broken JSON). The hypothesis bodies follow each
@@ -30,6 +31,7 @@ from tinyserve.serve.protocol import ROLES
 pytestmark = pytest.mark.slow
 
 NUM_BODIES, BATCH = 500, 50
+NUM_NEW_API_BODIES = 200  # /v1/responses and /v1/messages: their own schemas, then the same path
 MODEL = "SmolLM2-135M-Instruct"
 MSG = {"role": "user", "content": "Hi"}
 BASE = {
@@ -37,7 +39,11 @@ BASE = {
     "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
     "/tokenize": {"prompt": "Hi"},
     "/detokenize": {"tokens": [1, 2, 3]},
+    "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL, "messages": [MSG], "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [MSG]},
 }
+NEW_APIS = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 KEYS = [
     "model",
     "messages",
@@ -72,6 +78,18 @@ KEYS = [
     "user",
     "tokens",
     "add_special_tokens",
+    "chat_template_kwargs",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "store",
+    "text",
+    "reasoning",
+    "system",
+    "stop_sequences",
+    "thinking",
+    "metadata",
 ]
 INTS = [0, 1, -1, 2, 3, 4, 5, 16, 17, 20, 21, 300, 49151, 49152, 2**31, 2**63, -(2**63) - 1, 10**30]
 FLOATS = [
@@ -169,11 +187,17 @@ def value(rng: random.Random, depth: int = 0):
                     MSG,
                     {"role": value(rng, 2), "content": value(rng, 2)},
                     {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                    {"type": rng.choice(ITEM_TYPES), "call_id": "c", "name": "f", "output": "x"},
+                    {"role": "user", "content": [{"type": rng.choice(BLOCK_TYPES), "id": "t"}]},
                 ]
             )
             for _ in range(rng.randrange(1, 3))
         ]
     return [rng.choice(INTS[:9]) for _ in range(rng.randrange(1, 6))]  # token ids
+
+
+ITEM_TYPES = ["message", "function_call", "function_call_output", "reasoning", "web_search_call"]
+BLOCK_TYPES = ["text", "tool_use", "tool_result", "thinking", "image", "document"]
 
 
 def mutate(rng: random.Random, body: dict):
@@ -191,9 +215,10 @@ def mutate(rng: random.Random, body: dict):
         else:
             return rng.choice(RAW)
     if isinstance(body, dict):  # keep generation short: never up to the context limit
-        if body.get("max_tokens") is None:  # null or absent: up to the context limit
-            body["max_tokens"] = 2
-        for k in ("max_tokens", "max_completion_tokens"):
+        for k in ("max_tokens", "max_output_tokens"):
+            if body.get(k) is None:  # null or absent: up to the context limit
+                body[k] = 2
+        for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(k), int) and 4 < body[k] < 10**6:
                 body[k] = 4
     return body
@@ -212,13 +237,23 @@ async def check(client, url: str, body, coding: str = "identity") -> int:
     r = await client.post(url, data=data, headers=headers)
     text = await r.text()
     assert r.status < 500, (url, body, text)
+    anthropic = url.startswith("/v1/messages")
     if r.status >= 400:
-        err = json.loads(text)["error"]
-        assert set(err) == {"message", "type", "param", "code"}, text
+        err = json.loads(text)
+        if anthropic:
+            assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, text
+        else:
+            assert set(err["error"]) == {"message", "type", "param", "code"}, text
         assert "Traceback" not in text and ".py" not in text
     elif r.headers["Content-Type"].startswith("text/event-stream"):
-        assert text.endswith("data: [DONE]\n\n"), text[-200:]
-        assert '"error"' not in text, text
+        last = text.rsplit("event: ", 1)[-1]
+        if url == "/v1/responses":  # typed events, the last one the response's end
+            assert last.startswith(("response.completed", "response.incomplete")), text[-200:]
+        elif anthropic:
+            assert last.startswith("message_stop"), text[-200:]
+        else:
+            assert text.endswith("data: [DONE]\n\n"), text[-200:]
+            assert '"error"' not in text, text
     else:
         json.loads(text)
     return r.status
@@ -228,12 +263,13 @@ async def check(client, url: str, body, coding: str = "identity") -> int:
 def test_fuzz_route(tiny_llm, url):
     engine = tiny_llm.engine
     rng = random.Random(list(BASE).index(url))
-    bodies = [mutate(rng, json.loads(json.dumps(BASE[url]))) for _ in range(NUM_BODIES)]
+    num_bodies = NUM_NEW_API_BODIES if url in NEW_APIS else NUM_BODIES
+    bodies = [mutate(rng, json.loads(json.dumps(BASE[url]))) for _ in range(num_bodies)]
 
     async def go():
         statuses = []
         async with serving(engine) as client:
-            for i in range(0, NUM_BODIES, BATCH):
+            for i in range(0, num_bodies, BATCH):
                 batch = bodies[i : i + BATCH]
                 statuses += await asyncio.gather(*(check(client, url, b) for b in batch))
                 await wait_idle(engine)
@@ -242,9 +278,9 @@ def test_fuzz_route(tiny_llm, url):
         return statuses
 
     statuses = asyncio.run(go())
-    assert len(statuses) == NUM_BODIES
+    assert len(statuses) == num_bodies
     # the mutations must exercise both paths
-    assert statuses.count(200) >= 25 and sum(s >= 400 for s in statuses) >= 100, statuses
+    assert statuses.count(200) >= 25 and sum(s >= 400 for s in statuses) >= num_bodies // 5
 
 
 # -- hypothesis: every route's schema -------------------------------------------------------------
@@ -344,6 +380,82 @@ def schemas(odd: bool, wild: bool) -> dict:
         "/tokenize": ({"prompt": f(text)}, special),
         "/tokenize messages": ({"messages": messages}, special),
         "/detokenize": ({"tokens": f(ids)}, {}),
+        **new_api_schemas(f, num, text),
+    }
+
+
+def new_api_schemas(f, num, text) -> dict:
+    """/v1/responses and /v1/messages (+ count_tokens): their own fields, then shared sampling."""
+    tool = st.sampled_from([None, [], [{"type": "function", "name": "f"}]])
+    part = st.fixed_dictionaries({"type": f(st.sampled_from(["input_text", "output_text"]))})
+    content = f(st.one_of(text, st.lists(part.map(lambda p: p | {"text": "Hi"}), max_size=2)))
+    said = st.fixed_dictionaries(
+        {
+            "role": f(st.sampled_from(["user", "assistant", "system", "developer"])),
+            "content": content,
+        },
+        optional={"type": f(st.just("message"))},
+    )
+    item = st.one_of(
+        said,
+        said,
+        said,
+        st.fixed_dictionaries(
+            {"type": f(st.sampled_from(["function_call", "function_call_output"]))},
+            optional={"call_id": f(text), "name": f(text), "arguments": f(text), "output": f(text)},
+        ),
+        st.fixed_dictionaries({"type": f(st.just("reasoning")), "summary": f(st.just([]))}),
+    )
+    block = st.fixed_dictionaries(
+        {"type": f(st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]))},
+        optional={
+            "text": f(text),
+            "id": f(text),
+            "name": f(text),
+            "input": f(st.just({})),
+            "tool_use_id": f(text),
+            "thinking": f(text),
+        },
+    )
+    message = st.fixed_dictionaries(
+        {
+            "role": f(st.sampled_from(["user", "user", "assistant"])),
+            "content": f(st.one_of(text, text, st.lists(f(block), min_size=1, max_size=3))),
+        }
+    )
+    common = {
+        "model": f(st.just(MODEL)),
+        "temperature": num(st.floats(0, 1)),
+        "top_p": num(st.floats(0.01, 1)),
+        "stream": f(st.booleans()),
+        "metadata": f(st.dictionaries(text, text, max_size=3)),
+    }
+    responses = common | {
+        "max_output_tokens": num(st.just(1)),
+        "instructions": f(text),
+        "store": f(st.booleans()),
+        "previous_response_id": f(st.none()),  # an unknown id is a 404: the mutations try it
+        "tools": f(tool),
+        "tool_choice": f(st.sampled_from([None, "none", "auto", "required"])),
+        "parallel_tool_calls": f(st.booleans()),
+        "text": f(st.sampled_from([None, {"format": {"type": "text"}}, {"format": {}}])),
+        "reasoning": f(st.sampled_from([None, {"effort": "none"}, {"effort": "low"}, {}])),
+    }
+    thinking = [None, {"type": "disabled"}, {"type": "enabled", "budget_tokens": 1}]
+    messages = common | {
+        "system": f(st.one_of(text, st.just([{"type": "text", "text": "Be brief."}]))),
+        "top_k": num(st.integers(-1, 100)),
+        "stop_sequences": f(st.lists(text, max_size=4)),
+        "thinking": f(st.sampled_from(thinking)),
+        "tools": f(st.sampled_from([None, [], [{"name": "f", "input_schema": {}}]])),
+        "tool_choice": f(st.sampled_from([None, {"type": "auto"}, {"type": "any"}])),
+    }
+    anthropic = f(st.lists(f(message), min_size=1, max_size=3))
+    item_list = f(st.one_of(text, st.lists(f(item), min_size=1, max_size=3)))
+    return {
+        "/v1/responses": ({"input": item_list}, responses),
+        "/v1/messages": ({"messages": anthropic, "max_tokens": num(st.just(2))}, messages),
+        "/v1/messages/count_tokens": ({"messages": anthropic}, messages),
     }
 
 
@@ -366,6 +478,7 @@ def one_odd(valid: tuple[dict, dict], odd: tuple[dict, dict]):
 
 NUMBERS = {
     "n",
+    "max_output_tokens",
     "max_tokens",
     "max_completion_tokens",
     "temperature",
@@ -389,12 +502,14 @@ VALID, ODD, WILD = schemas(False, False), schemas(True, False), schemas(True, Tr
 def short(body):
     """Generation stops after a token or two: never up to the context limit."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and 1 < value < 10**6:
                 body[key] = 1
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = 1
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = 1
     return body
 
 

@@ -255,11 +255,13 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     type=click.Choice(["qwen3", "deepseek_r1"]),
     default=None,
     help="Split a thinking model's <think>...</think> reasoning from its answer: message."
-    "reasoning in chat (default: none, the text is all answer).",
+    "reasoning in chat, reasoning items in /v1/responses, thinking blocks in /v1/messages "
+    "(default: none, the text is all answer).",
 )
 def run(**kwargs) -> None:
-    """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics, /tokenize, /detokenize, /version. POST bodies must be sent with 'Content-Type: application/json' (415 otherwise), so that no
+    """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/responses,
+    Anthropic's /v1/messages, /v1/models, /health, /metrics, /tokenize, /detokenize, /version.
+    POST bodies must be sent with 'Content-Type: application/json' (415 otherwise), so that no
     web page can post one without CORS."""
     import logging
 

@@ -3,10 +3,11 @@ and JSON body reading with its limits.
 
 Every route but `/health` (decided on the resolved route, never on the path string) needs a Host
 header that names this server (DNS rebinding) and, when one is set, the API key (constant-time
-compare). POST bodies must be `application/json`, so a web page cannot send one without a CORS
-preflight; CORS is off unless origins are listed, and a listed origin is echoed back, never `*`,
-never with credentials. `100 Continue` goes out only once all of that passed. No traceback ever
-reaches a client, and a client's mistake never logs one.
+compare), sent as `Authorization: Bearer KEY` or as Anthropic's `x-api-key: KEY`. POST bodies must
+be `application/json`, so a web page cannot send one without a CORS preflight; CORS is off unless
+origins are listed, and a listed origin is echoed back, never `*`, never with credentials.
+`100 Continue` goes out only once all of that passed. No traceback ever reaches a client, and a
+client's mistake never logs one. Errors take OpenAI's shape, or Anthropic's on /v1/messages.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def gate(
                 status=204,
                 headers={
                     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                    "Access-Control-Allow-Headers": (
+                        "Authorization, Content-Type, X-Api-Key, Anthropic-Version"
+                    ),
                     "Access-Control-Max-Age": "600",
                 },
             )
@@ -65,22 +68,25 @@ def gate(
                 shown = repr(host if len(host) <= 64 else host[:61] + "...")
                 log.info("refused Host %s", shown)
                 return error_response(
+                    request,
                     APIError(
                         400,
                         f"The Host header {shown} does not name this server (a DNS rebinding "
                         f"guard); start it with --allowed-host NAME to serve that name.",
                         code="invalid_host",
-                    )
+                    ),
                 )
         if api_key is not None and not _is_public(request) and not _authorized(request, api_key):
             on_reject()
             return error_response(
+                request,
                 APIError(
                     401,
-                    "Missing or invalid API key (send 'Authorization: Bearer <key>').",
+                    "Missing or invalid API key (send 'Authorization: Bearer <key>' or "
+                    "'x-api-key: <key>').",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": 'Bearer realm="tinyserve"'},
-                )
+                ),
             )
         return await handler(request)
 
@@ -99,11 +105,19 @@ def _is_routed(request: web.Request) -> bool:
     return match.http_exception is None and not isinstance(match.route.resource, Unrouted)
 
 
-def _authorized(request: web.Request, api_key: str) -> bool:
+def credential(request: web.Request) -> str | None:
+    """The key the client sent: a Bearer token, else Anthropic's x-api-key header."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return request.headers.get("x-api-key")
+
+
+def _authorized(request: web.Request, api_key: str) -> bool:
+    key = credential(request)
     # aiohttp decodes header bytes that are not UTF-8 as surrogate escapes: compare bytes.
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode(errors="surrogateescape"), api_key.encode()
+    return key is not None and hmac.compare_digest(
+        key.encode(errors="surrogateescape"), api_key.encode()
     )
 
 
@@ -142,7 +156,8 @@ async def expect_continue_later(request: web.Request) -> web.StreamResponse | No
     it once the checks passed and the body is about to be read."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         return error_response(
-            APIError(417, "Only 'Expect: 100-continue' is supported.", code="expectation_failed")
+            request,
+            APIError(417, "Only 'Expect: 100-continue' is supported.", code="expectation_failed"),
         )
     return None
 
@@ -233,23 +248,51 @@ def errors(count: Callable[[str], None]) -> Callable:
             count(outcome if e.status < 500 else "error")
             if e.status != 429:
                 log.info("%s %r -> %d %s", request.method, request.path, e.status, e.code)
-            return error_response(e)
+            return error_response(request, e)
         except web.HTTPException as e:  # no route (404), wrong method (405)
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
             headers = {k: v for k, v in e.headers.items() if k == "Allow"}
             return error_response(
-                APIError(e.status, e.reason, code=code.get(e.status), headers=headers)
+                request, APIError(e.status, e.reason, code=code.get(e.status), headers=headers)
             )
         except Exception:  # a bug: log it, never send the traceback
             log.exception("internal error in %s %r", request.method, request.path)
             count("error")
-            return error_response(APIError(500, "Internal server error.", type="server_error"))
+            return error_response(
+                request, APIError(500, "Internal server error.", type="server_error")
+            )
 
     return middleware
 
 
-def error_response(e: APIError) -> web.Response:
-    resp = web.Response(status=e.status, body=dumps(e.body), content_type="application/json")
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_ERRORS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic(request: web.Request) -> bool:
+    """The Anthropic API's routes answer errors in its shape."""
+    return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
+
+
+def anthropic_error(e: APIError) -> dict:
+    kind = ANTHROPIC_ERRORS.get(
+        e.status, "api_error" if e.status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(request: web.Request, e: APIError) -> web.Response:
+    body = anthropic_error(e) if is_anthropic(request) else e.body
+    resp = web.Response(status=e.status, body=dumps(body), content_type="application/json")
     resp.headers.update(e.headers)
     return resp
 

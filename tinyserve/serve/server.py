@@ -22,7 +22,7 @@ from aiohttp import web
 
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.sampling_params import InvalidParameter
-from tinyserve.serve import generate, protocol, responses_api
+from tinyserve.serve import generate, messages_api, protocol, responses_api
 from tinyserve.serve.chat_template import render_chat
 from tinyserve.serve.metrics import CONTENT_TYPE
 from tinyserve.serve.middleware import (
@@ -81,6 +81,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     r.add_post("/v1/responses", responses_api.create, **expect)
     r.add_get("/v1/responses/{response_id}", responses_api.retrieve, **expect)
     r.add_delete("/v1/responses/{response_id}", responses_api.delete, **expect)
+    r.add_post("/v1/messages", messages_api.create, **expect)
+    r.add_post("/v1/messages/count_tokens", messages_api.count_tokens, **expect)
     r.add_get("/v1/models", models, **expect)
     r.add_get("/v1/models/{model}", model_card, **expect)
     r.add_get("/health", health, name=PUBLIC_ROUTE, **expect)
