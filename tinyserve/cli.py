@@ -258,18 +258,26 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     "reasoning in chat, reasoning items in /v1/responses, thinking blocks in /v1/messages "
     "(default: none, the text is all answer).",
 )
+@click.option(
+    "--web-ui/--no-web-ui",
+    default=True,
+    show_default=True,
+    help="Serve the chat page at / (it loads without the API key and asks for it).",
+)
 def run(**kwargs) -> None:
-    """Serve the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/responses,
-    Anthropic's /v1/messages, /v1/models, /health, /metrics, /tokenize, /detokenize, /version.
-    POST bodies must be sent with 'Content-Type: application/json' (415 otherwise), so that no
-    web page can post one without CORS."""
+    """Serve the chat page at / and the OpenAI-compatible API: /v1/chat/completions,
+    /v1/completions, /v1/responses, Anthropic's /v1/messages, /v1/models, /health, /metrics,
+    /tokenize, /detokenize, /version. POST bodies must be sent with 'Content-Type:
+    application/json' (415 otherwise), so that no web page can post one without CORS."""
     import logging
+    import urllib.parse
 
     import uvloop
 
     from tinyserve.config import EngineConfig
     from tinyserve.engine.async_engine import AsyncEngine
     from tinyserve.serve.server import ServerConfig, generation_defaults, serve, served_names
+    from tinyserve.serve.web_ui import ui_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
@@ -291,6 +299,9 @@ def run(**kwargs) -> None:
         # Clients that tokenize themselves (lm-eval's tokenizer=, guidellm's --processor) load
         # the tokenizer from this Hugging Face directory.
         click.echo(f"tinyserve: model directory (HF tokenizer) {engine.config.model}")
+        if server_config.web_ui:
+            address = urllib.parse.urlsplit(url)
+            click.echo(f"tinyserve: chat page at {ui_url(address.hostname, address.port)}")
         sys.stdout.flush()
 
     try:

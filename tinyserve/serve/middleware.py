@@ -3,8 +3,9 @@ and JSON body reading with its limits.
 
 Every route but `/health` (decided on the resolved route, never on the path string) needs a Host
 header that names this server (DNS rebinding) and, when one is set, the API key (constant-time
-compare), sent as `Authorization: Bearer KEY` or as Anthropic's `x-api-key: KEY`. POST bodies must
-be `application/json`, so a web page cannot send one without a CORS preflight; CORS is off unless
+compare; the chat page's GET routes load without it, since the page asks for it), sent as
+`Authorization: Bearer KEY` or as Anthropic's `x-api-key: KEY`. POST bodies must be
+`application/json`, so a web page cannot send one without a CORS preflight; CORS is off unless
 origins are listed, and a listed origin is echoed back, never `*`, never with credentials.
 `100 Continue` goes out only once all of that passed. No traceback ever reaches a client, and a
 client's mistake never logs one. Errors take OpenAI's shape, or Anthropic's on /v1/messages.
@@ -29,6 +30,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tinyserve.serve.protocol import APIError
 from tinyserve.serve.responses import dumps
+from tinyserve.serve.web_ui import PAGE_ROUTES
 
 log = logging.getLogger("tinyserve.serve.server")
 PUBLIC_ROUTE = "health"  # the route name that needs no API key or local Host (GET and HEAD)
@@ -76,7 +78,12 @@ def gate(
                         code="invalid_host",
                     ),
                 )
-        if api_key is not None and not _is_public(request) and not _authorized(request, api_key):
+        if (
+            api_key is not None
+            and not _is_public(request)
+            and not _is_page(request)
+            and not _authorized(request, api_key)
+        ):
             on_reject()
             return error_response(
                 request,
@@ -97,6 +104,11 @@ def _is_public(request: web.Request) -> bool:
     # The resolved route, not the path string: no '//health' or '%2F' tricks.
     route = request.match_info.route
     return route.name == PUBLIC_ROUTE and request.method in ("GET", "HEAD")
+
+
+def _is_page(request: web.Request) -> bool:
+    """The chat page and its files load without the key (the page asks for it)."""
+    return request.match_info.route.name in PAGE_ROUTES and request.method in ("GET", "HEAD")
 
 
 def _is_routed(request: web.Request) -> bool:

@@ -44,6 +44,7 @@ from tinyserve.serve.state import (  # noqa: F401 (re-exported: the server's pub
     generation_defaults,
     served_names,
 )
+from tinyserve.serve.web_ui import add_web_ui
 
 log = logging.getLogger("tinyserve.serve.server")
 
@@ -90,6 +91,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     r.add_get("/metrics", metrics, **expect)
     r.add_post("/tokenize", tokenize, **expect)
     r.add_post("/detokenize", detokenize, **expect)
+    if config.web_ui:
+        add_web_ui(app)  # before the catch-all below, which would answer "/" too
     r.register_resource(Unrouted(r))  # last: 404 / 405 with the same Expect handler
     app.on_response_prepare.append(cors_headers(config.allowed_origin))
     return app

@@ -48,6 +48,7 @@ class ServerConfig:
     # repetition_penalty; max_new_tokens caps an unset max_tokens), vLLM's: "auto" from the
     # model's generation_config.json, "vllm" none, or a directory holding such a file.
     generation_config: str = "auto"
+    web_ui: bool = True  # the chat page at / (serve/web_ui.py)
     # How a thinking model's reasoning is split from its answer (serve/reasoning.py): "qwen3",
     # "deepseek_r1", or None (the text is all answer).
     reasoning_parser: str | None = None
