@@ -22,6 +22,7 @@ from tinyserve.bench.pool import bench_pool
 from tinyserve.bench.prefix import bench_prefix
 from tinyserve.bench.serve import bench_serve
 from tinyserve.bench.spec import bench_spec
+from tinyserve.bench.structured import bench_structured
 
 DESCRIPTION = """\
 tinyserve benchmarks: `python bench.py WORKLOAD [options]`, a table on stdout and JSON on disk.
@@ -44,6 +45,9 @@ Workloads:
   serve  an online client against a running `tinyserve run` (--url): request-rate and
         concurrency sweeps over random or fixed lengths; TTFT, TPOT, ITL (median, p99) and
         throughput as vLLM defines them, and /health latency probed during the run.
+  structured  a JSON-schema constraint's cost on decode throughput per --batches value: the
+        same prompts and output lengths with and without the schema (--temperatures; a named
+        shape needs --tokenizer DIR).
 Every figure is measured in this run; ratios compare numbers from this same run.
 
 Plots (matplotlib: pip install tinyserve[bench]): --plot writes throughput_vs_batch.png (rows
@@ -60,6 +64,7 @@ WORKLOADS = {
     "serve": bench_serve,
     "spec": bench_spec,
     "pool": bench_pool,
+    "structured": bench_structured,
 }
 
 
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench.py", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("workload", choices=["cpu", "kernels", "prefix", "e2e", "serve", "spec", "pool"])
+    p.add_argument("workload", choices=list(WORKLOADS))
     p.add_argument(
         "--spec-k",
         type=int,
@@ -89,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="spec (MTP): draft from a token map of this many ids (0: the whole "
         "vocabulary); each value is a run",
     )
+    p.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="structured: sampling temperatures to run",
+    )
+    p.add_argument("--tokenizer", default=None, help="structured: tokenizer dir for a shape")
     p.add_argument(
         "--temperature",
         type=float,

@@ -234,13 +234,16 @@ def apply_token_bitmask(logits: Tensor, m: DeviceBitmask) -> Tensor:
 class StepBitmask:
     """The host buffers a step's masks are filled into: two, alternating, grown on demand
     (pinned memory is slow to allocate), so a step never overwrites the buffer of a copy that
-    may still be in flight."""
+    may still be in flight. Rows without drafts (the common case) are filled by xgrammar's
+    batch matcher on its own threads, without the GIL: one row costs ~0.1 ms at a 150k-token
+    vocabulary, so a 64-row step filled serially took longer than its forward."""
 
     def __init__(self, vocab_size: int, pin: bool) -> None:
         self.width = -(-vocab_size // 32)
         self.pin = pin
         self._buffers: list[Tensor] = [torch.empty(0, self.width, dtype=torch.int32)] * 2
         self._turn = 0
+        self._batch = None  # xgr.BatchGrammarMatcher, built on first use
 
     def fill(
         self, seqs: Sequence[Seq], state_of: Callable[[Seq], GrammarState | None]
@@ -262,8 +265,27 @@ class StepBitmask:
             buf = torch.empty(size, self.width, dtype=torch.int32, pin_memory=self.pin)
             self._buffers[self._turn] = buf
         rows, at, masks = [], 0, False
+        batch, batch_rows = [], []  # rows without drafts: filled together below
         for first, state, drafts in items:
-            masks |= state.fill(buf, at, drafts)
+            if drafts:
+                masks |= state.fill(buf, at, drafts)
+            else:
+                batch.append(state.matcher)
+                batch_rows.append(at)
             rows.extend(range(first, first + 1 + len(drafts)))
             at += 1 + len(drafts)
+        if batch:
+            self._batch_fill(batch, buf, batch_rows)
+            # A row masks nothing when every bit is set (-1); then the sampler can skip it all.
+            masks = masks or bool((buf[batch_rows] != -1).any())
         return TokenBitmask(rows, buf[:num]) if masks else None
+
+    def _batch_fill(self, matchers: list, buf: Tensor, rows: list[int]) -> None:
+        if len(matchers) == 1:  # no threads to wake for one row
+            matchers[0].fill_next_token_bitmask(buf, rows[0])
+            return
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batch.batch_fill_next_token_bitmask(matchers, buf, rows)
