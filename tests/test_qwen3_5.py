@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from qwen3_5_helpers import (
+    BASE,
+    FULL,
+    LIN,
+    VARIANTS,
+    VOCAB,
+    hf_greedy,
+    make_checkpoint,
+    randomize_,
+)
 from safetensors.torch import load_file, save_file
 
 from tinyserve.core.state_pool import StatePool
@@ -34,35 +44,6 @@ transformers = pytest.importorskip("transformers")
 # relative, and the gated RMSNorm magnifies rows where the rule's output is small); ours stay
 # within the same 2.2e-4 of its prefill. A bug moves logits by 1e-2 and more.
 ATOL = 1e-3
-VOCAB = 128
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # rotary on 8 dims of 32 (partial_rotary_factor 0.25)
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    max_position_embeddings=128,
-)
-LIN, FULL = "linear_attention", "full_attention"
-VARIANTS = {
-    # DeltaNet first and last, attention between; two value heads per key head.
-    "lin_first_last": dict(layer_types=[LIN, FULL, LIN, LIN]),
-    # The published pattern's period (3 x DeltaNet, 1 x attention), tied head, Hv == Hk,
-    # head_dim 16 (4 rotary dims), a kernel of width 3.
-    "published_tied": dict(
-        layer_types=[LIN, LIN, LIN, FULL],
-        tie_word_embeddings=True,
-        linear_num_value_heads=2,
-        head_dim=16,
-        linear_conv_kernel_dim=3,
-    ),
-    "attention_first": dict(layer_types=[FULL, LIN, FULL, LIN], num_key_value_heads=1),
-}
 # Each layer pattern with its own seed, the first one with two.
 CHECKPOINTS = [
     ("lin_first_last", 0),
@@ -71,37 +52,6 @@ CHECKPOINTS = [
     ("attention_first", 3),
 ]
 MAX_NEW = 6
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """O(1) activations: matrices ~ N(0, 1/fan_in), zero-centred norms w ~ 0.2 N(0, 1) (scale
-    1 + w), the gated norm's weight 1 + 0.2 N(0, 1), A in [0.5, 8) (decays from mild to
-    strong), small dt_bias."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:  # linears, embeddings, conv1d (C, 1, W)
-                p.copy_(noise * p.shape[-1] ** -0.5)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g).log())
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            else:
-                p.copy_(0.2 * noise)
-
-
-def make_checkpoint(path, variant: str, seed: int):
-    extra = VARIANTS[variant]
-    config = transformers.Qwen3_5TextConfig(
-        **{**BASE, **extra}, num_hidden_layers=len(extra["layer_types"])
-    )
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3_5ForCausalLM(config)
-    randomize_(hf, seed)
-    hf.config._attn_implementation = "eager"
-    hf.save_pretrained(path)
-    return hf.eval()
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS, ids=lambda p: f"{p[0]}-seed{p[1]}")
@@ -256,20 +206,6 @@ def reference(checkpoint):
         with torch.no_grad():
             out.append((tokens, hf(torch.tensor([tokens[:-1]])).logits[0]))
     return out
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new,
-        min_new_tokens=max_new,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0].tolist()
 
 
 @pytest.mark.parametrize("chunk", [16, 64, None])

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.scheduler import Scheduler
 from tinyserve.core.sequence import Sequence, SequenceStatus
+from tinyserve.core.state_pool import StatePool
 from tinyserve.sampling_params import SamplingParams
 
 _ids = iter(range(10**9))
@@ -87,21 +88,47 @@ def test_sequence_preempts_itself_when_alone_and_stuck():
     assert a.is_finished and pool.num_free_blocks == 2
 
 
+def test_state_slots_admit_and_free_with_the_sequence():
+    """Hybrid models: a slot from admission to finish, abort or preemption; admission waits for
+    one; each batch row carries its sequence's slot."""
+    pool = BlockPool(5, 4)  # as above: b is preempted at the second step
+    slots = StatePool(2)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100, state_pool=slots)
+    a, b, c = make_seq(8, max_tokens=10), make_seq(8, max_tokens=10), make_seq(2, max_tokens=2)
+    for seq in (a, b, c):
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and list(sched.waiting) == [c]  # no third slot
+    assert batch.state_slots == [slots.slot_of(a.seq_id), slots.slot_of(b.seq_id)]
+    for seq, num in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_kv_computed += num
+        seq.token_ids.append(7)
+    run_step(sched)  # b preempted: its slot back, and c may take it (but has no KV yet)
+    assert b.status is SequenceStatus.WAITING and slots.slot_of(b.seq_id) is None
+    sched.finish(c, "abort")
+    assert slots.num_free_slots == 1 and slots.slot_of(a.seq_id) is not None
+    while sched.has_work:
+        run_step(sched)
+    slots.check_invariants([])
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     num_blocks=st.integers(8, 40),
     block_size=st.sampled_from([1, 2, 4, 16]),
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 6),
+    num_slots=st.integers(0, 6),  # hybrid models' state slots (0: a dense model)
     ops=st.lists(
         st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 30)), max_size=40
     ),
 )
 def test_random_ops_keep_invariants_and_free_everything(
-    num_blocks, block_size, budget, max_num_seqs, ops
+    num_blocks, block_size, budget, max_num_seqs, num_slots, ops
 ):
     pool = BlockPool(num_blocks, block_size)
-    sched = Scheduler(pool, max_num_seqs, budget)
+    slots = StatePool(num_slots) if num_slots else None
+    sched = Scheduler(pool, max_num_seqs, budget, state_pool=slots)
     live: list[Sequence] = []
     capacity = num_blocks * block_size
     for op, arg in ops:
@@ -125,6 +152,8 @@ def test_random_ops_keep_invariants_and_free_everything(
         run_step(sched)
     assert not sched.has_work, "scheduler made no progress"
     assert pool.num_free_blocks == num_blocks
+    if slots is not None:
+        slots.check_invariants([])
     for seq in live:
         assert seq.is_finished
         if seq.finish_reason == "length":

@@ -22,6 +22,10 @@ Speculative decoding: a decoding row carries its drafts (`seq.draft_ids`), so it
 1 + k tokens (fewer drafts if the budget is short), and a row that samples also reserves
 `spec_lookahead` more KV slots (where the MTP head writes its chained drafts). The engine trims
 what verification rejected after the step.
+
+Hybrid models (a `state_pool`): a sequence also holds a state slot (core/state_pool.py) from
+admission to finish, abort or preemption; admission waits for a free one, and a preempted
+sequence's state is recomputed from its tokens when it is admitted again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from tinyserve.core.state_pool import StatePool
 
 AGING_STEPS = 4  # a long prefill waits at most this many steps behind short prompts
 
@@ -39,6 +44,7 @@ AGING_STEPS = 4  # a long prefill waits at most this many steps behind short pro
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, this step (1 + drafts for a speculative row)
+    state_slots: list[int] | None = None  # hybrid models: each sequence's state slot
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +77,10 @@ class Scheduler:
         lane_chunk: int = 0,
         lane_depth: int = 2,
         lane_limit: int = 1 << 62,
+        state_pool: StatePool | None = None,
     ) -> None:
         self.pool = pool
+        self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A prefill with more tokens left than this is "long" and yields to short prompts.
@@ -136,7 +144,10 @@ class Scheduler:
                 self._schedule_running(seq)
         if not self._batch:
             return None
-        return ScheduledBatch(self._batch, self._nums)
+        slots = None
+        if self.state_pool is not None:
+            slots = [self.state_pool.owners[s.seq_id] for s in self._batch]
+        return ScheduledBatch(self._batch, self._nums, slots)
 
     def _feed_lane(self, prefilling: list[Sequence]) -> None:
         """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
@@ -215,11 +226,14 @@ class Scheduler:
         num = min(seq.num_uncomputed, self._budget)
         extra = self._lookahead(seq, num)
         in_flight = self._is_in_flight(seq, matched)
-        if in_flight or not self.pool.can_append(seq, num + extra):
+        no_slot = self.state_pool is not None and not self.state_pool.can_allocate()
+        if in_flight or no_slot or not self.pool.can_append(seq, num + extra):
             self.pool.free_seq(seq)
             seq.num_kv_computed = 0
             return False if in_flight else None
         self.waiting.remove(seq)
+        if self.state_pool is not None:
+            self.state_pool.allocate(seq.seq_id)
         if seq.num_preemptions == 0:  # hit statistics describe first admissions only
             seq.num_cached_tokens = matched
             if self.pool.trie is not None:
@@ -284,6 +298,8 @@ class Scheduler:
         """Recompute preemption: drop the KV (committed blocks stay cached), requeue first."""
         self.running.remove(seq)
         self.pool.free_seq(seq)
+        if self.state_pool is not None:  # its state is recomputed on re-admission
+            self.state_pool.free(seq.seq_id)
         seq.num_kv_computed = 0
         seq.draft_ids.clear()
         seq.num_preemptions += 1
@@ -299,6 +315,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if not seq.lane_tokens:  # else the lane may still write its blocks: `lane_finished`
             self.pool.free_seq(seq)
+        if self.state_pool is not None:  # (hybrid models have no lane)
+            self.state_pool.may_free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -308,3 +326,5 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         finished = {s for s, _ in self.lane if s.is_finished}  # blocks held till the lane ends
         self.pool.check_invariants([*self.running, *self.waiting, *finished])
+        if self.state_pool is not None:  # a slot for each running sequence, no other
+            self.state_pool.check_invariants([s.seq_id for s in self.running])

@@ -9,6 +9,7 @@ drains in phase 1, so scheduler state is touched by one thread only.
 from __future__ import annotations
 
 import array
+import logging
 import os
 import random
 import time
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyserve.config import EngineConfig
+from tinyserve.config import EngineConfig, InvalidConfig
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.scheduler import ScheduledBatch, Scheduler
 from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from tinyserve.core.state_pool import StatePool
 from tinyserve.model.config import ModelConfig, resolve_dtype
 from tinyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
@@ -32,6 +34,8 @@ from tinyserve.sampling_params import InvalidParameter, SamplingParams, Structur
 from tinyserve.spec.speculator import Speculator
 
 _SEED_MASK = (1 << 63) - 1
+
+log = logging.getLogger("tinyserve.engine")
 
 
 LANE_IDLE_S = 0.001  # a step with nothing to run but prefill-lane chunks in flight sleeps this
@@ -95,6 +99,19 @@ class LLMEngine:
             config.model = default_model_path()
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
+        # Hybrid models (state slots beside paged KV): what they cannot do yet.
+        self.is_hybrid = "linear_attention" in self.model_config.layer_types
+        if self.is_hybrid:
+            if config.speculative_method == "mtp":
+                raise InvalidConfig(
+                    "speculative_method",
+                    "'mtp' is not supported for hybrid (linear attention) models yet: use "
+                    "'ngram' or none",
+                )
+            if config.enable_prefix_caching:
+                # A hit would skip tokens whose recurrent state no cache holds.
+                log.info("prefix caching is off: not supported for hybrid models yet")
+                config.enable_prefix_caching = False
         # A checkpoint without tokenizer.json (dummy benchmark shapes) takes and gives token ids.
         has_tokenizer = os.path.exists(os.path.join(config.model, "tokenizer.json"))
         self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer else None
@@ -128,6 +145,7 @@ class LLMEngine:
             lane_chunk=self.runner.lane.chunk if self.runner.lane is not None else 0,
             lane_depth=self.runner.lane.depth if self.runner.lane is not None else 0,
             lane_limit=self.runner.max_blocks_per_seq * config.block_size,
+            state_pool=StatePool(config.max_num_seqs) if self.is_hybrid else None,
         )
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
@@ -310,8 +328,13 @@ class LLMEngine:
         drafted = [len(seq.draft_ids) for seq in batch.seqs]
         prev = self._in_flight.pending if overlap and self._in_flight else None
         bitmask = None
-        if self._num_sync_requests:  # grammar masks, after the last step's tokens advanced them
-            bitmask = self._bitmask.fill([batch.seqs[i] for i in sampled], self._grammar)
+        seqs = [batch.seqs[i] for i in sampled]
+        if self._num_sync_requests and any(s.params.structured_outputs for s in seqs):
+            # Grammar masks (the last step's tokens advanced the matchers): the runner fills
+            # them once the forward is enqueued, so the host works while the device runs it.
+            def bitmask():
+                return self._bitmask.fill(seqs, self._grammar)
+
         pending = self.runner.launch(batch, rows, prev, bitmask)
         positions = None
         if overlap:  # advance now: the next schedule must see this step's tokens as computed

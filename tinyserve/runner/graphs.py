@@ -18,6 +18,10 @@ attention reads KV blocks that several rows share (prefix-cache hits) once per g
 (cascade attention, kernels/decode_attention.py); a step replays it when `plan_shared_prefixes`
 finds enough sharing. Its sums run in another order than the plain graph's, so outputs may
 differ from it by rounding, as with a different split count.
+
+Hybrid models (`state_scratch`: the scratch state slot, runner/states.py) have decode graphs
+only: each row's state slot and whether it holds a state are graph inputs (`state_inputs`,
+copied per replay); padded rows read zeros and write the scratch slot only.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class DecodeGraphs(GraphInputs):
         mixed: bool = False,
         share: DecodeGraphs | None = None,
         max_chunk: int = 0,
+        state_scratch: int | None = None,
     ) -> None:
         dev = next(model.parameters()).device
         self.model = model
@@ -87,6 +92,13 @@ class DecodeGraphs(GraphInputs):
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
         self._init_inputs(max_blocks_per_seq, scratch_block, max_chunk, share, dev)
+        # Hybrid models: (2, n) int32, each row's state slot, then 1 where it holds a state.
+        self.state_scratch = state_scratch
+        self.state_inputs = None
+        if state_scratch is not None:
+            assert q == 1 and not prefill and not mixed, "hybrid models: decode graphs only"
+            self.state_inputs = torch.zeros(2, n, dtype=torch.int32, device=dev)
+            self.state_inputs[0] = state_scratch
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
         if mixed:  # the chunk's query starts (the step's are an input of each replay)
@@ -235,6 +247,8 @@ class DecodeGraphs(GraphInputs):
             decode_block_n=block_n,
             decode_min_split=min_split,
             shared_prefix=(chunks, lens) if shared else None,
+            state_slots=None if self.state_inputs is None else self.state_inputs[0, :bs],
+            has_initial_state=None if self.state_inputs is None else self.state_inputs[1, :bs],
         )
 
     def _mixed_metadata(
@@ -294,6 +308,7 @@ class DecodeGraphs(GraphInputs):
         pending: tuple[list[int], list[int]] = ((), ()),
         fix=None,
         extra=(),
+        states=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Host inputs of the real batch (B rows of query_len tokens, or one prompt chunk of up
         to query_len tokens; `tables` (B, W) int32); `pending` (dst, src): input dst is the
@@ -301,7 +316,8 @@ class DecodeGraphs(GraphInputs):
         per token) and logits (one row per token, or the chunk's last token's); `last_sampled`
         then holds their greedy tokens. `fix(ids, positions, slots, context_lens, tables)`
         edits the copied inputs on the device before the replay. `extra` (a verify set's):
-        int64 arrays copied with the inputs, to where `extra_views` points."""
+        int64 arrays copied with the inputs, to where `extra_views` points. `states`: a hybrid
+        model's runner/states.HostStates."""
         if self.mixed:
             return self._replay_mixed(input_ids, positions, slots, context_lens, tables, pending)
         b, q = len(context_lens), self.query_len
@@ -312,6 +328,8 @@ class DecodeGraphs(GraphInputs):
             host_ctx[0] += q - n
         pin = self.buffer.is_cuda  # pinned host memory: the copies are async
         ctx = self._stage(bs, input_ids, positions, slots, host_ctx, tables, pending, extra, pin)
+        if self.state_inputs is not None:
+            self._stage_states(states, pin)
         if fix is not None:
             ids, _, dev_positions, dev_slots, _, dev_ctx, _ = self.fields(bs)
             fix(ids, dev_positions, dev_slots, dev_ctx, self.block_tables[:bs])
@@ -330,6 +348,15 @@ class DecodeGraphs(GraphInputs):
         self.num_shared_replays += shared
         hidden, logits = self.outputs[key]
         return hidden[:n], logits if self.prefill else logits[:n]
+
+    def _stage_states(self, states, pin: bool) -> None:
+        """Each row's state slot and has-state flag; padded rows: the scratch slot, no state."""
+        b = len(states.slots)
+        host = torch.zeros(self.state_inputs.shape, dtype=torch.int32, pin_memory=pin)
+        a = host.numpy()
+        a[0, :b], a[0, b:] = states.slots, self.state_scratch
+        a[1, :b] = states.has_init
+        self.state_inputs.copy_(host, non_blocking=True)
 
     def _replay_mixed(
         self,

@@ -8,7 +8,8 @@ the limits the user set: `max_num_seqs` sequences sharing CPU_KV_CONTEXTS contex
 sequence), and never more than half the machine's memory. SmolLM2-135M (fp32, 8192 tokens, 256
 sequences): 1280 blocks, 20480 tokens, 900 MiB. The CPU cache is an anonymous mapping whose
 pages the kernel backs as they are first touched: an idle server holds none of it, a busy one
-the blocks it has used.
+the blocks it has used. A hybrid model's KV is its attention layers' only (`attn_layers`), and
+on a GPU its state rows (`runner.state_bytes`, allocated after the cache) come off the budget.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ def num_kv_blocks(runner) -> int:
     peak = torch.cuda.max_memory_allocated(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     util = config.gpu_memory_utilization
-    budget = total * util - peak - used_by_others
+    budget = total * util - peak - used_by_others - runner.state_bytes
     torch.cuda.empty_cache()
     # The KV cache is one allocation, and cached segments that a live tensor splits cannot hold
     # it (an earlier engine in the same process), so it must also fit the device's free memory.
-    budget = min(budget, torch.cuda.mem_get_info(device)[0] - (1 - util) * total)
+    budget = min(
+        budget, torch.cuda.mem_get_info(device)[0] - (1 - util) * total - runner.state_bytes
+    )
     if budget < per_block:
         raise RuntimeError(
             f"no memory left for the KV cache at gpu_memory_utilization="
@@ -64,12 +67,13 @@ def num_kv_blocks(runner) -> int:
         )
     log.info(
         "KV cache budget: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f, peak forward "
-        "%.2f GiB, other processes %.2f GiB)",
+        "%.2f GiB, other processes %.2f GiB, state slots %.2f GiB)",
         budget / 2**30,
         total / 2**30,
         util,
         peak / 2**30,
         used_by_others / 2**30,
+        runner.state_bytes / 2**30,
     )
     return int(budget // per_block)
 

@@ -5,12 +5,17 @@ forward and the sampler. No policy lives here (that is the scheduler's job).
 the event after the copy of the sampled ids (and logprobs, prompt logprobs, accepted counts,
 MTP drafts) to pinned host memory. The engine calls it while the next step already runs (the
 overlapped loop).
+
+Hybrid models also get the DeltaNet layers' state rows (runner/states.py): one slot per
+sequence, a scratch slot, and a speculative engine's per-token slots; eager steps, and decode
+graphs (no prefill, mixed or verify graphs, no prefill lane yet).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +32,12 @@ from tinyserve.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, num
 from tinyserve.runner.mtp_drafter import MtpDrafter
 from tinyserve.runner.pending import PendingStep, PromptScores, to_host
 from tinyserve.runner.prefill_lane import build_lane
+from tinyserve.runner.states import (
+    allocate_state_rows,
+    commit_token_states,
+    host_states,
+    state_pool_size,
+)
 from tinyserve.runner.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
 from tinyserve.runner.warmup import compile_start_up
 from tinyserve.sample.grammar import TokenBitmask
@@ -40,6 +51,8 @@ from tinyserve.sample.sampler import (
 from tinyserve.sample.transfer import to_device
 from tinyserve.spec.speculator import Speculator
 from tinyserve.spec.token_map import load_token_map
+
+log = logging.getLogger("tinyserve.runner")
 
 
 @dataclass(slots=True)
@@ -90,6 +103,12 @@ class ModelRunner:
         if token_map is not None:  # before the KV pool is sized: its rows take memory
             self.mtp.restrict_drafts(token_map)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # Hybrid models: state rows for the DeltaNet layers, sized before the KV cache takes
+        # the rest (allocated after it: the sizing forward runs without them).
+        self.is_hybrid = "linear_attention" in model_config.layer_types
+        self.state_scratch = config.max_num_seqs  # the scratch slot (runner/states.py)
+        self.num_state_slots, self.state_bytes = state_pool_size(model_config, config, dtype)
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_bytes_per_block = kv_bytes_per_block(
             model_config, self.attn_layers, dtype, self.block_size
         )
@@ -97,6 +116,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             self.attn_layers, model_config, self.num_kv_blocks, self.block_size, dtype, self.device
         )
+        if self.is_hybrid:
+            self.states = allocate_state_rows(self.model, model_config, self.num_state_slots)
         self.drafter = (
             None
             if self.mtp is None
@@ -125,17 +146,27 @@ class ModelRunner:
                 self.block_size,
             )
             self.graphs = DecodeGraphs(
-                *args, shared_prefix=config.enable_prefix_caching, max_chunk=self.max_graph_chunk
+                *args,
+                shared_prefix=config.enable_prefix_caching,
+                max_chunk=self.max_graph_chunk,
+                state_scratch=self.state_scratch if self.is_hybrid else None,
             )
             self.capture_prefill_graphs(capture=True)
-            if config.speculative_method is not None:  # the verify step: last token + k drafts
+            # The verify step: last token + k drafts (hybrid models: eager, per-token states)
+            if config.speculative_method is not None and not self.is_hybrid:
                 q = config.num_speculative_tokens + 1
                 self.verify_graphs = DecodeGraphs(*args, query_len=q, pool=self.graphs.pool)
                 if self.drafter is not None:  # the MTP head's drafts after a verify replay, too
                     self.draft_graphs = DraftGraphs(
                         self.verify_graphs, self.drafter.draft_tokens, self.graphs.last_sampled
                     )
-        self.lane = build_lane(self.model, config, self.max_blocks_per_seq, self.num_kv_blocks)
+        self.lane = None
+        if not self.is_hybrid:
+            self.lane = build_lane(self.model, config, self.max_blocks_per_seq, self.num_kv_blocks)
+        elif config.prefill_lane_tokens or (
+            config.prefill_lane_tokens is None and self.graphs is not None
+        ):
+            log.info("prefill lane off: not supported for hybrid models yet")
         if self.device.type == "cuda":
             compile_start_up(self)
             for g in (
@@ -150,11 +181,11 @@ class ModelRunner:
     @property
     def max_graph_chunk(self) -> int:
         """The longest prompt chunk with graphs (0: none; not with MTP, whose drafting reads
-        every row's inputs)."""
+        every row's inputs, nor for hybrid models yet)."""
         from tinyserve.runner.graph_shapes import prefill_graph_lengths
 
         lengths = prefill_graph_lengths(self.config.max_num_batched_tokens)
-        return 0 if self.mtp is not None or not lengths else lengths[-1]
+        return 0 if self.mtp is not None or self.is_hybrid or not lengths else lengths[-1]
 
     def capture_prefill_graphs(self, capture: bool) -> None:
         """Prompt-chunk graphs: one sequence's chunk, and a chunk beside decode rows (a long
@@ -245,11 +276,12 @@ class ModelRunner:
         batch: ScheduledBatch,
         rows: list[SamplingRow],
         prev: PendingStep | None = None,
-        bitmask: TokenBitmask | None = None,
+        bitmask: Callable[[], TokenBitmask | None] | None = None,
     ) -> PendingStep:
         """Forward the batch and sample every logits row (`rows`: one per sampling sequence,
-        plus one per draft of a speculative row; `bitmask`: the grammar masks of some of them),
-        enqueued on the device; returns at once and `result()` waits for it.
+        plus one per draft of a speculative row), enqueued on the device; returns at once and
+        `result()` waits for it. `bitmask` returns the grammar masks of some rows: it is called
+        once the forward is enqueued, so the host fills them while the device computes.
 
         Token ids still PLACEHOLDER on the host (sampled by `prev`, not read back yet) are
         taken from `prev`'s sampled ids on the device (`seq.pending_row`), so this step can be
@@ -258,6 +290,8 @@ class ModelRunner:
         """
         # 1. Inputs: host lists, the graph set that runs them (or None), their device copies.
         h = build_host_inputs(batch, self.block_size, self.mtp is not None)
+        if self.is_hybrid:
+            h.states = host_states(batch, self.state_scratch, h.spec)
         graphs = self._graphs_for(h)
         s = self._stage(h, graphs, prev)
         x = s.x
@@ -272,6 +306,7 @@ class ModelRunner:
                 (h.dst, h.src),
                 s.fix,
                 s.extra,
+                h.states,
             )
         else:
             if x.pending is not None:  # the overlapped loop: inputs sampled by `prev`
@@ -303,7 +338,8 @@ class ModelRunner:
             logits = self._logits(h, x, hidden, all_logits, graph_rows)
             self._mask_stop_tokens(logits, rows)
             steps = self._step_shift(prev, s.shift, len(rows)) if s.shift is not None else None
-            st = SamplingTensors.build(rows, logits.shape[-1], self.device, steps, bitmask)
+            masks = bitmask() if bitmask is not None else None
+            st = SamplingTensors.build(rows, logits.shape[-1], self.device, steps, masks)
             result = sample(logits, st)
         # 4. Speculative steps: accepted counts and the next drafts, all on the device.
         sampled = result.token_ids
@@ -319,6 +355,8 @@ class ModelRunner:
             accepted, drafts, results = self.draft_graphs.draft(len(h.seg_starts))
         elif x is not None and x.draft_next is not None:
             accepted = self.spec.accept(sampled, x.draft_next, x.seg_starts)
+            if x.keep_states is not None:  # each row's state after its last accepted token
+                commit_token_states(self.states, x.metadata.state_slots, *x.keep_states, accepted)
         last = self.graphs.last_sampled if self.graphs is not None else None
         if (
             not s.graphed

@@ -11,6 +11,7 @@ import torch
 from tinyserve.core.scheduler import ScheduledBatch, needs_prompt_logprobs
 from tinyserve.core.sequence import PLACEHOLDER
 from tinyserve.model.layers.attention import AttentionMetadata
+from tinyserve.runner.states import HostStates
 from tinyserve.sample.transfer import packed_to_device
 
 
@@ -48,6 +49,7 @@ class HostInputs:
     # (batch row, first position, num, top logprobs it asks) of each scored chunk
     prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
     prompt_top_k: int = 0  # the most top logprobs any of them asks
+    states: HostStates | None = None  # hybrid models: the DeltaNet layers' state rows
 
     @property
     def spec(self) -> bool:
@@ -71,6 +73,8 @@ class StepInputs:
     pending: tuple[torch.Tensor, torch.Tensor] | None  # (dst, src)
     shift: tuple[torch.Tensor, ...] | None  # HostInputs.shift_* on the device
     prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (prompt_idx, prompt_next)
+    # A hybrid model's speculative step: (keep, spec_rows, spec_seqs) for commit_token_states.
+    keep_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def build_host_inputs(batch: ScheduledBatch, block_size: int, mtp: bool) -> HostInputs:
@@ -216,6 +220,16 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         },
         **({"prompt_idx": h.prompt_idx, "prompt_next": h.prompt_next} if h.prompt_idx else {}),
     }
+    hs = h.states
+    if hs is not None:
+        host |= {"state_slots": hs.slots, "has_init": hs.has_init}
+        if hs.token_slots is not None:
+            host |= {
+                "token_slots": hs.token_slots,
+                "keep": hs.keep,
+                "spec_rows": hs.spec_rows,
+                "spec_seqs": hs.spec_seqs,
+            }
     d = dict(zip(host, packed_to_device(list(host.values()), device)))
     md = AttentionMetadata(
         slot_mapping=d["slots"],
@@ -228,6 +242,12 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         is_decode_only=all(n == 1 for n in h.q_lens),
         verify_query_len=h.q_lens[0] if spec and len(set(h.q_lens)) == 1 else 0,
     )
+    keep_states = None
+    if hs is not None:
+        md.state_slots, md.has_initial_state = d["state_slots"], d["has_init"]
+        if hs.token_slots is not None:
+            md.token_state_slots = d["token_slots"]
+            keep_states = (d["keep"], d["spec_rows"], d["spec_seqs"])
     return StepInputs(
         input_ids=d["ids"],
         positions=d["positions"],
@@ -242,4 +262,5 @@ def device_inputs(h: HostInputs, device: torch.device, mtp: bool) -> StepInputs:
         pending=(d["dst"], d["src"]) if h.dst else None,
         shift=tuple(d[f"shift{i}"] for i in range(6)) if h.shift_tok else None,
         prompt=(d["prompt_idx"], d["prompt_next"]) if h.prompt_idx else None,
+        keep_states=keep_states,
     )

@@ -9,7 +9,8 @@ take step sizes as runtime arguments (`do_not_specialize`), so one count of a cl
 what every count of it needs (`test_mtp_steps_after_start_up_compile_no_kernel` checks it).
 
 Every function takes the ModelRunner (duck-typed: this module sits below runner.py) and writes
-only the KV cache's scratch block, which the pool never hands out."""
+only the KV cache's scratch block (and a hybrid model's scratch state slot), which the pools
+never hand out."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def compile_start_up(runner) -> None:
     compile_prefill_attention(runner)
     compile_decode_attention(runner)
     compile_sampling(runner)
+    if runner.is_hybrid:  # the DeltaNet kernels an eager step runs: a prompt chunk's
+        _eager_step(runner, [_sequence(runner, 2, 0)], [2])
     if runner.config.num_speculative_tokens:
         compile_speculative(runner)
     elif runner.config.enforce_eager:  # no graphs: every step is eager, its matmuls' too

@@ -7,8 +7,9 @@ States live in the runner's state pool: `conv_state` (N, W-1, C) in the model dt
 `ssm_state` (N, Hv, K, V) (float32 by default: HF keeps the recurrent state in float32), rows
 indexed by slot (core/state_pool.py), assigned like Attention's KV views (`allocate_states`).
 The forward context then gives `cu_seqlens_q`, `state_slots`, `has_initial_state` (and
-`token_state_slots` on a verify step). Decode-only and verify steps take the recurrent kernel,
-others the chunked one (any mix of prompt chunks and decode rows). With no state assigned, the
+`token_state_slots` on a speculative step). Decode-only steps and steps with per-token states
+(any row carrying drafts: every row then goes token by token) take the recurrent kernel, others
+the chunked one (any mix of prompt chunks and decode rows). With no state assigned, the
 T tokens are one sequence from a zero state (a plain forward, as Attention without a cache).
 """
 
@@ -147,7 +148,7 @@ class GatedDeltaNet(nn.Module):
             return step, conv, ssm
         md = _current_metadata()
         assert md.state_slots is not None, "a hybrid model's forward needs state_slots"
-        is_recurrent = md.is_decode_only or md.verify_query_len > 0
+        is_recurrent = md.is_decode_only or md.token_state_slots is not None
         step = StepStates(
             cu_seqlens=md.cu_seqlens_q,
             state_slots=md.state_slots,

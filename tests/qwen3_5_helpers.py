@@ -1,0 +1,89 @@
+"""Tiny random Qwen3.5 text checkpoints written by transformers (fp32), and transformers'
+greedy continuation: shared by test_qwen3_5*.py and test_gpu_qwen3_5.py."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import transformers
+except ImportError:  # the tests that need it skip (pytest.importorskip)
+    transformers = None
+
+VOCAB = 128
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # rotary on 8 dims of 32 (partial_rotary_factor 0.25)
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    max_position_embeddings=128,
+)
+LIN, FULL = "linear_attention", "full_attention"
+VARIANTS = {
+    # DeltaNet first and last, attention between; two value heads per key head.
+    "lin_first_last": dict(layer_types=[LIN, FULL, LIN, LIN]),
+    # The published pattern's period (3 x DeltaNet, 1 x attention), tied head, Hv == Hk,
+    # head_dim 16 (4 rotary dims), a kernel of width 3.
+    "published_tied": dict(
+        layer_types=[LIN, LIN, LIN, FULL],
+        tie_word_embeddings=True,
+        linear_num_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=3,
+    ),
+    "attention_first": dict(layer_types=[FULL, LIN, FULL, LIN], num_key_value_heads=1),
+    # A 12-token vocabulary: greedy outputs repeat n-grams, so n-gram drafts come and are
+    # accepted (and rejected) often.
+    "small_vocab": dict(layer_types=[LIN, FULL, LIN], vocab_size=12),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations: matrices ~ N(0, 1/fan_in), zero-centred norms w ~ 0.2 N(0, 1) (scale
+    1 + w), the gated norm's weight 1 + 0.2 N(0, 1), A in [0.5, 8) (decays from mild to
+    strong), small dt_bias."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:  # linears, embeddings, conv1d (C, 1, W)
+                p.copy_(noise * p.shape[-1] ** -0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 8.0, generator=g).log())
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(0.2 * noise)
+
+
+def make_checkpoint(path, variant: str, seed: int):
+    extra = VARIANTS[variant]
+    config = transformers.Qwen3_5TextConfig(
+        **{**BASE, **extra}, num_hidden_layers=len(extra["layer_types"])
+    )
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3_5ForCausalLM(config)
+    randomize_(hf, seed)
+    hf.config._attn_implementation = "eager"
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0].tolist()
