@@ -41,7 +41,7 @@ def generate(path, prompts, **kw) -> list[list[int]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.check_invariants()
     assert llm.engine.scheduler.state_pool.num_free_slots == 8
-    if not kw.get("enforce_eager"):
+    if not kw.get("enforce_eager") and "speculative_method" not in kw:
         assert llm.engine.runner.graphs.num_replays > 0
     return [o.outputs[0].token_ids for o in outs]
 
