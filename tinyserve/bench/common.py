@@ -57,6 +57,22 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
 
 
+_QWEN3_5 = dict(  # what the Qwen3.5 dense sizes share
+    architectures=["Qwen3_5ForCausalLM"],
+    model_type="qwen3_5_text",
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    full_attention_interval=4,
+    vocab_size=248320,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    torch_dtype="bfloat16",
+)
+
 SHAPES = {  # published HF configs of the benchmark models, for dummy weights in real shapes
     "qwen3-0.6b": dict(
         architectures=["Qwen3ForCausalLM"],
@@ -153,6 +169,27 @@ SHAPES = {  # published HF configs of the benchmark models, for dummy weights in
         num_nextn_predict_layers=1,
         attention_bias=True,
         torch_dtype="bfloat16",
+    ),
+    # Qwen/Qwen3.5-0.8B and -9B text models: [3 x Gated DeltaNet, 1 x gated attention] repeated
+    "qwen3.5-0.8b": dict(
+        _QWEN3_5,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3.5-9b": dict(
+        _QWEN3_5,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_value_heads=32,
+        tie_word_embeddings=False,
     ),
 }
 
