@@ -1,7 +1,7 @@
 """`bench.py kernels` (CUDA): each Triton kernel vs its torch version (eager, torch.compile where
 it applies) at real shapes, bf16, timed as CUDA-graph replays over input sets rotated out of L2;
 a row per kernel and shape with GB/s and the fraction of the measured copy rate. The kernels
-themselves are listed in kernels_attention.py and kernels_ops.py."""
+themselves are listed in kernels_attention.py, kernels_ops.py and kernels_hybrid.py."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def bench_kernels(args) -> dict:
     """Each Triton kernel vs its torch version (eager, torch.compile where it applies) at real
     shapes, bf16, timed as CUDA-graph replays; GB/s and the fraction of the measured copy rate."""
     from tinyserve.bench.kernels_attention import bench_attention
+    from tinyserve.bench.kernels_hybrid import bench_hybrid
     from tinyserve.bench.kernels_ops import bench_small_ops
 
     assert torch.cuda.is_available(), "the kernels workload needs a CUDA device"
@@ -98,4 +99,5 @@ def bench_kernels(args) -> dict:
     print(json.dumps(res["ceilings"]), flush=True)
     bench_attention(res)
     bench_small_ops(res)
+    bench_hybrid(res)
     return res
