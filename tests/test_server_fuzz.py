@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from test_server import serving, wait_idle
 
 from tinyserve import LLM
-from tinyserve.serve.protocol import ROLES
+from tinyserve.serve.fields import ROLES
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,10 @@ from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.sampling_params import InvalidParameter
 from tinyserve.serve import echo, protocol, reasoning, structured
 from tinyserve.serve.chat_template import render_chat
+from tinyserve.serve.errors import APIError, bad
 from tinyserve.serve.flight import Flight
 from tinyserve.serve.middleware import json_response
-from tinyserve.serve.protocol import APIError, GenerateRequest
+from tinyserve.serve.protocol import GenerateRequest
 from tinyserve.serve.responses import ResponseBuilder
 from tinyserve.serve.state import STATE, ServerState
 
@@ -69,7 +70,7 @@ async def prepare_grammar(st: ServerState, req: GenerateRequest) -> None:
     try:
         await structured.prepare(st.engine, req, st.tokenizer)
     except InvalidParameter as e:
-        raise protocol.bad(e.param, str(e)) from None
+        raise bad(e.param, str(e)) from None
 
 
 async def render(st: ServerState, req: GenerateRequest) -> tuple[list[int], str]:
@@ -82,7 +83,7 @@ async def render(st: ServerState, req: GenerateRequest) -> tuple[list[int], str]
             render_chat, num_chars, tokenizer, req.messages, tools, req.render_options
         )
     except InvalidParameter as e:
-        raise protocol.bad(e.param, str(e)) from None
+        raise bad(e.param, str(e)) from None
 
 
 async def run_chat(
@@ -242,7 +243,7 @@ def _as_api_error(e: Exception) -> tuple[str, APIError]:
     if isinstance(e, APIError):
         return ("rejected" if e.status < 500 else "error"), e
     if isinstance(e, InvalidParameter):
-        return "rejected", protocol.bad(e.param, str(e))
+        return "rejected", bad(e.param, str(e))
     log.error("engine error: %s", e.__cause__ or e)
     return "error", APIError(
         500, "The engine stopped after an error.", type="server_error", code="engine_dead"

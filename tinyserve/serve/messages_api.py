@@ -20,8 +20,9 @@ from aiohttp import web
 
 from tinyserve.outputs import CompletionOutput
 from tinyserve.serve import generate, protocol
+from tinyserve.serve.errors import APIError, bad, unsupported
 from tinyserve.serve.middleware import anthropic_error, json_response, read_json
-from tinyserve.serve.protocol import APIError, GenerateRequest, bad
+from tinyserve.serve.protocol import GenerateRequest
 from tinyserve.serve.reasoning import OutputSplit
 from tinyserve.serve.responses import dumps
 from tinyserve.serve.responses_api import EXTRAS
@@ -41,7 +42,7 @@ def parse(body: Any, st: ServerState, count_only: bool = False) -> GenerateReque
         raise bad("max_tokens", "max_tokens is required: an integer >= 1")
     for key in ("container", "mcp_servers"):
         if body.get(key) is not None:
-            raise protocol.unsupported(key, key)
+            raise unsupported(key, key)
     chat = {k: body[k] for k in EXTRAS if k in body and k != "stop"}
     for key in ("model", "temperature", "top_p", "top_k", "stream"):
         if key in body:

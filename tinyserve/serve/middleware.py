@@ -28,7 +28,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from tinyserve.serve.protocol import APIError
+from tinyserve.serve.errors import APIError
 from tinyserve.serve.responses import dumps
 from tinyserve.serve.web_ui import PAGE_ROUTES
 

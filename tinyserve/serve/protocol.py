@@ -3,29 +3,21 @@
 Everything a client controls is checked here before any tokenizer or engine work: types, ranges,
 caps (n, stop, logprobs, logit_bias, prompts), and a character-count guard that rejects prompts
 that cannot fit the context without tokenizing them. Errors carry OpenAI's `param` and `code`.
+The parsers compose the per-field validators of serve/fields.py; the errors are serve/errors.py.
 """
 
 from __future__ import annotations
 
-import numbers
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tinyserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
-from tinyserve.serve import chat_template, structured
-from tinyserve.serve.tools import ToolRequest, message_fields
+from tinyserve.serve import fields, structured
+from tinyserve.serve.errors import APIError, bad, unsupported
+from tinyserve.serve.tools import ToolRequest
 
 MAX_N = 16  # choices per prompt; each one is a sequence in the batch
-MAX_PROMPTS = 16  # prompts in one /v1/completions batch
-MAX_STOP = 4  # OpenAI's cap
-MAX_STOP_CHARS = 256  # the detokenizer holds back up to this many characters while streaming
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 300  # OpenAI's cap
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_ROLE_CHARS = 64
-_INT_KEY = re.compile(r"-?[0-9]{1,12}")
 
 # Sampling fields passed straight to SamplingParams, which range-checks them (vLLM names).
 _SAMPLING_KEYS = (
@@ -53,45 +45,6 @@ _REAL_KEYS = (
     "frequency_penalty",
     "repetition_penalty",
 )
-
-
-class APIError(Exception):
-    """An error the client gets as `{"error": {message, type, param, code}}` with `status`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type,
-        )
-        self.headers = headers or {}
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad(param: str | None, message: str, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
-
-
-def unsupported(param: str, what: str) -> APIError:
-    return APIError(400, f"{what} is not supported by this server", param, "unsupported_parameter")
 
 
 @dataclass(slots=True)
@@ -137,19 +90,19 @@ class GenerateRequest:
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
-    body = _object(body)
-    logprobs = _optional(body, "logprobs", bool, "a boolean")
-    top = _optional(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    body = fields.json_object(body)
+    logprobs = fields.optional(body, "logprobs", bool, "a boolean")
+    top = fields.optional(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not logprobs:
         raise bad("top_logprobs", "top_logprobs requires logprobs to be true")
     truncated = body.get("truncate_prompt_tokens") is not None  # then any length may come
-    messages = _messages(body.get("messages"), info, check_chars=not truncated)
+    messages = fields.messages(body.get("messages"), info, check_chars=not truncated)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     req = _common(body, info, key or "max_tokens", (top or 0) if logprobs else None)
     req.messages = messages
-    req.render_options = render_options(body)
+    req.render_options = fields.render_options(body)
     _extras(req, body, info)
     _structured(req, body, chat=True)
     return req
@@ -163,17 +116,17 @@ def _structured(req: GenerateRequest, body: dict, chat: bool) -> None:
 
 
 def parse_completion(body: Any, info: ModelInfo) -> GenerateRequest:
-    body = _object(body)
-    echo = bool(_optional(body, "echo", bool, "a boolean"))
+    body = fields.json_object(body)
+    echo = bool(fields.optional(body, "echo", bool, "a boolean"))
     if body.get("suffix") is not None:
         raise unsupported("suffix", "suffix")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise unsupported("best_of", "best_of > n")
-    logprobs = _optional(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}] or null")
+    logprobs = fields.optional(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}] or null")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null")
     truncated = body.get("truncate_prompt_tokens") is not None  # then any length may come
-    prompts = _prompts(body.get("prompt"), info, check_chars=not truncated)
+    prompts = fields.prompts(body.get("prompt"), info, check_chars=not truncated)
     run_body, echo_only = _completion_defaults(body, echo, logprobs)
     req = _common(run_body, info, "max_tokens", logprobs)
     req.prompts = prompts
@@ -199,14 +152,14 @@ def _completion_defaults(body: dict, echo: bool, logprobs: int | None) -> tuple[
 def _extras(req: GenerateRequest, body: dict, info: ModelInfo) -> None:
     """vLLM's extras of both APIs: return_token_ids, stream_options.continuous_usage_stats,
     truncate_prompt_tokens / truncation_side; prompt_logprobs (> 0) are not streamed."""
-    req.return_token_ids = bool(_optional(body, "return_token_ids", bool, "a boolean"))
+    req.return_token_ids = bool(fields.optional(body, "return_token_ids", bool, "a boolean"))
     options = body.get("stream_options") or {}  # an object: _common checked it
-    every = _optional(options, "continuous_usage_stats", bool, "a boolean", "stream_options")
+    every = fields.optional(options, "continuous_usage_stats", bool, "a boolean", "stream_options")
     req.continuous_usage = bool(every) and req.include_usage
     if req.stream and (req.params.prompt_logprobs or 0) > 0 and body.get("prompt_logprobs"):
         raise bad("prompt_logprobs", "prompt_logprobs are not available when stream is true")
     limit = info.max_model_len
-    keep = _optional(body, "truncate_prompt_tokens", int, f"-1 or an integer in [1, {limit}]")
+    keep = fields.optional(body, "truncate_prompt_tokens", int, f"-1 or an integer in [1, {limit}]")
     if keep is not None and not (keep == -1 or 1 <= keep <= limit):
         raise bad(
             "truncate_prompt_tokens",
@@ -220,14 +173,6 @@ def _extras(req: GenerateRequest, body: dict, info: ModelInfo) -> None:
     req.truncation_side = side or "left"
 
 
-def render_options(body: dict) -> dict[str, Any]:
-    """The chat template's switches and chat_template_kwargs (serve/chat_template.py)."""
-    try:
-        return chat_template.render_options(body)
-    except InvalidParameter as e:
-        raise bad(e.param, str(e)) from None
-
-
 def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> GenerateRequest:
     model = body.get("model")
     if model is None:
@@ -237,22 +182,24 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
     elif model not in info.names:
         shown = model if len(model) <= 64 else model[:61] + "..."
         raise APIError(404, f"The model {shown!r} does not exist.", "model", "model_not_found")
-    stream = _optional(body, "stream", bool, "a boolean") or False
+    stream = fields.optional(body, "stream", bool, "a boolean") or False
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options", "stream_options must be an object")
-    include_usage = _optional(options or {}, "include_usage", bool, "a boolean", "stream_options")
+    include_usage = fields.optional(
+        options or {}, "include_usage", bool, "a boolean", "stream_options"
+    )
     n = body.get("n", 1)
     if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
         raise bad("n", f"n must be at most {MAX_N}")  # before anything is allocated
-    _check_logit_bias(body.get("logit_bias"), info.vocab_size)
+    fields.check_logit_bias(body.get("logit_bias"), info.vocab_size)
     for key in _REAL_KEYS:
-        if not _fits_float(body.get(key)):
+        if not fields.fits_float(body.get(key)):
             raise bad(key, f"{key} must be a finite number")
     kwargs = {k: body[k] for k in _SAMPLING_KEYS if k in body}
-    _check_seed(body.get("seed"))
+    fields.check_seed(body.get("seed"))
     for key, value in info.sampling_defaults.items():  # what the request leaves unset
         if key != "max_tokens" and body.get(key) is None:
             kwargs[key] = value
@@ -262,8 +209,8 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         kwargs["max_tokens"] = body[max_key]
     else:
         kwargs["max_tokens"] = None  # chat: up to the context limit (check_context)
-    kwargs["stop"] = _stop(body.get("stop"))
-    kwargs["stop_token_ids"] = _stop_token_ids(body.get("stop_token_ids"), info.vocab_size)
+    kwargs["stop"] = fields.stop(body.get("stop"))
+    kwargs["stop_token_ids"] = fields.stop_token_ids(body.get("stop_token_ids"), info.vocab_size)
     try:
         params = SamplingParams(**kwargs, logprobs=top)
     except InvalidParameter as e:
@@ -271,7 +218,7 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         raise bad(param.get(e.param, e.param), str(e).replace("max_tokens", max_key)) from None
     if params.temperature > MAX_TEMPERATURE:
         raise bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE}]")
-    salt = _optional(body, "cache_salt", str, "a string")
+    salt = fields.optional(body, "cache_salt", str, "a string")
     if salt is not None and not 0 < len(salt) <= 256:
         raise bad("cache_salt", "cache_salt must be a non-empty string of at most 256 characters")
     return GenerateRequest(
@@ -283,130 +230,6 @@ def _common(body: dict, info: ModelInfo, max_key: str, top: int | None) -> Gener
         max_tokens_param=max_key,
         cache_salt=salt,
     )
-
-
-def _check_seed(seed: Any) -> None:
-    """vLLM's range: a 64-bit signed integer (the engine keeps 63 bits of it)."""
-    if isinstance(seed, int) and not isinstance(seed, bool) and not -(2**63) <= seed < 2**63:
-        raise bad("seed", "seed must be an integer in [-2**63, 2**63 - 1]")
-
-
-def _fits_float(value: Any) -> bool:
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            float(value)
-        except OverflowError:
-            return False
-    return True
-
-
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    return body
-
-
-def _optional(body: dict, key: str, kind: type, allowed: str, param: str | None = None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-        raise bad(param or key, f"{key} must be {allowed}")
-    return value
-
-
-def _messages(value: Any, info: ModelInfo, check_chars: bool = True) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise bad("messages", "messages must be a non-empty list of messages")
-    out, num_chars = [], 0
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not _is_role(m.get("role")):
-            # Any role the chat template accepts (vLLM's custom roles); ROLES are OpenAI's.
-            raise bad(
-                "messages",
-                f"messages[{i}] must be an object with a role: a string of 1 to "
-                f"{MAX_ROLE_CHARS} characters such as {', '.join(ROLES)}",
-            )
-        try:
-            extra = message_fields(m, i)  # tool_calls, tool_call_id
-        except InvalidParameter as e:
-            raise bad(e.param, str(e)) from None
-        # An assistant's reasoning, for templates that render it (Qwen3's reasoning_content).
-        reasoning = m.get("reasoning_content", m.get("reasoning"))
-        if reasoning is not None and (m["role"] != "assistant" or not isinstance(reasoning, str)):
-            raise bad("messages", f"messages[{i}].reasoning_content must be a string, on assistant")
-        if reasoning is not None:
-            extra["reasoning_content"] = reasoning
-        # A tool call (or a reasoning) may come without content, a tool's result may be empty.
-        unsaid = {"tool_calls", "reasoning_content"} & extra.keys() or m["role"] == "tool"
-        empty = m.get("content") in (None, "") and unsaid
-        content = "" if empty else _content(m.get("content"), i)
-        msg = {"role": m["role"], "content": content, **extra}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        num_chars += len(content) + len(reasoning or "")
-        out.append(msg)
-    if check_chars:
-        check_num_chars(num_chars, info, "messages")
-    return out
-
-
-def _is_role(role: Any) -> bool:
-    return isinstance(role, str) and 0 < len(role) <= MAX_ROLE_CHARS
-
-
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, list):  # content parts: only text is supported
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad("messages", f"messages[{i}].content: only text parts are supported")
-            if not isinstance(part.get("text"), str):
-                raise bad("messages", f"messages[{i}].content: a text part needs a string text")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    if not isinstance(content, str) or not content:
-        raise bad("messages", f"messages[{i}].content must be a non-empty string")
-    return content
-
-
-def _prompts(value: Any, info: ModelInfo, check_chars: bool = True) -> list[str | list[int]]:
-    if isinstance(value, str) or (isinstance(value, list) and value and _is_ids(value)):
-        prompts = [value]
-    elif isinstance(value, list) and value and len(value) <= MAX_PROMPTS:
-        prompts = value
-    else:
-        raise bad(
-            "prompt",
-            f"prompt must be a non-empty string, token ids, or a list of up to "
-            f"{MAX_PROMPTS} of either",
-        )
-    for p in prompts:
-        if isinstance(p, str) and p:
-            if check_chars:
-                check_num_chars(len(p), info, "prompt")
-        elif not (isinstance(p, list) and p and _is_ids(p)):
-            raise bad("prompt", "each prompt must be a non-empty string or list of token ids")
-        elif not all(0 <= t < info.vocab_size for t in p):
-            raise bad("prompt", f"token ids must be in [0, {info.vocab_size})")
-    return prompts
-
-
-def _is_ids(value: list) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def check_num_chars(num_chars: int, info: ModelInfo, param: str) -> None:
-    """The tokenizer-cost guard: reject text that must exceed the context, without encoding it."""
-    at_least = num_chars // info.max_token_chars
-    if at_least > info.max_model_len:
-        raise bad(
-            param,
-            f"This model's maximum context length is {info.max_model_len} tokens. However, your "
-            f"{param} ({num_chars} characters) resulted in more than {at_least} tokens. Please "
-            f"reduce the length of the {param}.",
-            "context_length_exceeded",
-        )
 
 
 def check_context(
@@ -441,74 +264,29 @@ def truncate_prompt(ids: list[int], req: GenerateRequest) -> list[int]:
     return ids[-keep:] if req.truncation_side == "left" else ids[:keep]
 
 
-def _stop(value: Any) -> list[str] | None:
-    stops = [value] if isinstance(value, str) else value
-    if stops is None:
-        return None
-    if not isinstance(stops, list) or len(stops) > MAX_STOP:
-        raise bad("stop", f"stop must be a string or a list of at most {MAX_STOP} strings")
-    if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise bad("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
-    return stops
-
-
-def _stop_token_ids(value: Any, vocab_size: int) -> list[int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS or not _is_ids(value):
-        raise bad(
-            "stop_token_ids",
-            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
-        )
-    if not all(0 <= t < vocab_size for t in value):
-        raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
-    return value
-
-
-def _check_logit_bias(value: Any, vocab_size: int) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
-        raise bad(
-            "logit_bias",
-            f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]",
-        )
-    bad_keys = [
-        k
-        for k, v in value.items()
-        if not (_INT_KEY.fullmatch(k) and 0 <= int(k) < vocab_size)
-        or isinstance(v, bool)
-        or not isinstance(v, numbers.Real)
-        or not -100 <= v <= 100  # NaN compares False; an int of any size compares exactly
-    ]
-    if bad_keys:
-        shown = ", ".join(repr(k if len(k) <= 16 else k[:13] + "...") for k in bad_keys)
-        raise bad(
-            "logit_bias",
-            f"invalid logit_bias entries (keys must be token ids in "
-            f"[0, {vocab_size}), values numbers in [-100, 100]): {shown}",
-        )
-
-
 def parse_tokenize(
     body: Any, info: ModelInfo
 ) -> tuple[str | list[dict[str, Any]], bool, dict[str, Any]]:
     """/tokenize: {"prompt": str} or {"messages": [...]} -> (text or messages, add_special,
     the chat template's switches and kwargs: render_options)."""
-    body = _object(body)
-    add_special = _optional(body, "add_special_tokens", bool, "a boolean")
+    body = fields.json_object(body)
+    add_special = fields.optional(body, "add_special_tokens", bool, "a boolean")
     if "messages" in body:
-        return _messages(body["messages"], info), bool(add_special), render_options(body)
+        return (
+            fields.messages(body["messages"], info),
+            bool(add_special),
+            fields.render_options(body),
+        )
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad("prompt", "prompt must be a string (or send messages)")
-    check_num_chars(len(prompt), info, "prompt")
+    fields.check_num_chars(len(prompt), info, "prompt")
     return prompt, add_special is not False, {}
 
 
 def parse_detokenize(body: Any, info: ModelInfo) -> list[int]:
-    tokens = _object(body).get("tokens")
-    if not isinstance(tokens, list) or not _is_ids(tokens):
+    tokens = fields.json_object(body).get("tokens")
+    if not isinstance(tokens, list) or not fields.is_ids(tokens):
         raise bad("tokens", "tokens must be a list of token ids")
     if len(tokens) > info.max_model_len or not all(0 <= t < info.vocab_size for t in tokens):
         raise bad(

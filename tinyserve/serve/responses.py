@@ -18,7 +18,7 @@ from tinyserve.serve.reasoning import OutputSplit
 
 if TYPE_CHECKING:
     from tinyserve.serve.echo import Extras
-    from tinyserve.serve.protocol import APIError
+    from tinyserve.serve.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 

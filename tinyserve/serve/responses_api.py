@@ -18,8 +18,9 @@ from typing import Any
 from aiohttp import web
 
 from tinyserve.serve import generate, protocol
+from tinyserve.serve.errors import APIError, bad, unsupported
 from tinyserve.serve.middleware import credential, json_response, read_json
-from tinyserve.serve.protocol import APIError, GenerateRequest, bad
+from tinyserve.serve.protocol import GenerateRequest
 from tinyserve.serve.response_store import scope_of
 from tinyserve.serve.responses_output import ResponsesBuilder
 from tinyserve.serve.state import STATE, ServerState
@@ -64,11 +65,11 @@ def parse(body: Any, st: ServerState, scope: str) -> Turn:
         raise bad(None, "the request body must be a JSON object")
     for key, what in [("background", "background mode"), ("conversation", "conversation")]:
         if body.get(key) not in (None, False):
-            raise protocol.unsupported(key, what)
+            raise unsupported(key, what)
     if body.get("prompt") is not None:
-        raise protocol.unsupported("prompt", "prompt templates")
+        raise unsupported("prompt", "prompt templates")
     if body.get("top_logprobs") not in (None, 0):
-        raise protocol.unsupported("top_logprobs", "top_logprobs")
+        raise unsupported("top_logprobs", "top_logprobs")
     if body.get("truncation") not in (None, "auto", "disabled"):
         raise bad("truncation", 'truncation must be "auto" or "disabled"')
     store = body.get("store", True)

@@ -17,7 +17,7 @@ from tinyserve.serve.reasoning import OutputSplit
 from tinyserve.serve.responses import dumps
 
 if TYPE_CHECKING:
-    from tinyserve.serve.protocol import APIError
+    from tinyserve.serve.errors import APIError
     from tinyserve.serve.responses_api import Turn
     from tinyserve.serve.state import ServerState
 

@@ -24,6 +24,7 @@ from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.sampling_params import InvalidParameter
 from tinyserve.serve import generate, messages_api, protocol, responses_api
 from tinyserve.serve.chat_template import render_chat
+from tinyserve.serve.errors import APIError, bad
 from tinyserve.serve.metrics import CONTENT_TYPE
 from tinyserve.serve.middleware import (
     PUBLIC_ROUTE,
@@ -36,7 +37,6 @@ from tinyserve.serve.middleware import (
     json_response,
     read_json,
 )
-from tinyserve.serve.protocol import APIError
 from tinyserve.serve.state import (  # noqa: F401 (re-exported: the server's public names)
     STATE,
     ServerConfig,
@@ -184,7 +184,7 @@ async def tokenize(request: web.Request) -> web.Response:
                 render_chat, num_chars, st.tokenizer, what, None, options
             )
         except InvalidParameter as e:
-            raise protocol.bad(e.param, str(e)) from None
+            raise bad(e.param, str(e)) from None
     return json_response({"count": len(ids), "max_model_len": st.info.max_model_len, "tokens": ids})
 
 

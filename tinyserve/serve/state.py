@@ -16,10 +16,10 @@ from aiohttp import web
 from tinyserve.engine.async_engine import AsyncEngine
 from tinyserve.model.config import sampling_defaults
 from tinyserve.model.tokenizer import Tokenizer
-from tinyserve.serve import protocol
+from tinyserve.serve.errors import APIError, bad
 from tinyserve.serve.flight import Flight
 from tinyserve.serve.metrics import ServerMetrics
-from tinyserve.serve.protocol import APIError, ModelInfo
+from tinyserve.serve.protocol import ModelInfo
 from tinyserve.serve.reasoning import PARSERS
 from tinyserve.serve.response_store import ResponseStore
 
@@ -128,7 +128,7 @@ class ServerState:
     def require_tokenizer(self, param: str) -> Tokenizer:
         """Checkpoints without tokenizer.json (dummy benchmark shapes) serve token ids only."""
         if self.tokenizer is None:
-            raise protocol.bad(param, "this model has no tokenizer: send token ids as the prompt")
+            raise bad(param, "this model has no tokenizer: send token ids as the prompt")
         return self.tokenizer
 
     def check_admission(self, num_requests: int) -> None:
