@@ -143,6 +143,53 @@ _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(slots=True)
+class ReasoningParams:
+    """A thinking model's reasoning, as the engine sees it: token ids, no text. The reasoning
+    ends where the output writes `end_ids` (`</think>` as the tokenizer encodes it). It starts at
+    the output's first token (`starts_in_reasoning`: the prompt opened it), or, when the model
+    opens it itself, after `start_ids` if the output begins with them (else there is none).
+
+    `budget`: at most this many reasoning tokens (after the opener; a natural end's ids count),
+    then the engine forces `end_ids`, one a step: the reasoning is exactly `budget` tokens and
+    the end ids follow. A structured-outputs grammar applies from the token after the end on.
+    """
+
+    end_ids: list[int]
+    budget: int | None = None  # None: no limit; 0: the end ids at once
+    starts_in_reasoning: bool = True
+    start_ids: list[int] | None = None  # only when not starts_in_reasoning
+
+    def __post_init__(self) -> None:
+        self.end_ids = _id_list("reasoning.end_ids", self.end_ids)
+        if self.start_ids is not None:
+            self.start_ids = _id_list("reasoning.start_ids", self.start_ids)
+        if not isinstance(self.starts_in_reasoning, bool):
+            raise _invalid("reasoning.starts_in_reasoning", "a boolean", self.starts_in_reasoning)
+        if self.starts_in_reasoning and self.start_ids is not None:
+            allowed = "null when the output starts in the reasoning"
+            raise _invalid("reasoning.start_ids", allowed, self.start_ids)
+        if self.budget is not None:
+            self.budget = _int("reasoning.budget", self.budget, "an integer >= 0 or null", _nonneg)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.end_ids + (self.start_ids or [])
+
+
+def _nonneg(x: int) -> bool:
+    return x >= 0
+
+
+def _id_list(param: str, ids: object) -> list[int]:
+    ok = isinstance(ids, list | tuple) and ids
+    if not ok or not all(
+        not isinstance(i, bool) and isinstance(i, numbers.Integral) and i >= 0 for i in ids
+    ):
+        raise _invalid(param, "a non-empty list of token ids", ids)
+    return [int(i) for i in ids]
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -166,9 +213,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # The output must match a JSON schema / regex / choice / grammar (a dict: its fields).
     structured_outputs: StructuredOutputsParams | None = None
+    # A thinking model's reasoning: its end, a budget, a grammar that starts after it.
+    reasoning: ReasoningParams | None = None
 
     def __post_init__(self) -> None:
         _check_logit_bias(self)
+        _check_reasoning(self)
         so = self.structured_outputs
         if isinstance(so, dict):
             unknown = set(so) - set(StructuredOutputsParams.__slots__)
@@ -224,6 +274,24 @@ class SamplingParams:
         mask): not known there while drafts are being verified. (The RNG counter moves on the
         device: runner._step_shift.)"""
         return self.min_tokens > 0
+
+
+def _check_reasoning(p: SamplingParams) -> None:
+    r = p.reasoning
+    if isinstance(r, dict):
+        unknown = set(r) - set(ReasoningParams.__slots__)
+        if unknown:
+            raise _invalid("reasoning", "known fields only", sorted(unknown))
+        r = p.reasoning = ReasoningParams(**r)
+    if r is not None and not isinstance(r, ReasoningParams):
+        raise _invalid("reasoning", "a ReasoningParams or a dict", r)
+    if r is not None and r.start_ids is not None and p.structured_outputs is not None:
+        # Its first tokens would be unconstrained if the model did not open the reasoning.
+        raise InvalidParameter(
+            "structured_outputs",
+            "structured outputs after a reasoning the model may or may not open are not "
+            "supported: start the output in the reasoning or in the answer",
+        )
 
 
 def _check_logit_bias(p: SamplingParams) -> None:

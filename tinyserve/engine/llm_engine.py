@@ -28,7 +28,13 @@ from tinyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from tinyserve.runner.model_runner import ModelRunner
 from tinyserve.runner.pending import PendingStep
-from tinyserve.sample.grammar import Grammar, GrammarCompiler, GrammarState, StepBitmask
+from tinyserve.sample.grammar import (
+    Grammar,
+    GrammarCompiler,
+    GrammarState,
+    ReasoningState,
+    StepBitmask,
+)
 from tinyserve.sample.sampler import SamplingRow
 from tinyserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from tinyserve.spec.speculator import Speculator
@@ -62,6 +68,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     detoks: list[IncrementalDetokenizer] = field(default_factory=list)
     grammars: list[GrammarState] = field(default_factory=list)  # per sequence (structured outputs)
+    reasoning: list[ReasoningState] = field(default_factory=list)  # per sequence (params.reasoning)
     arrival_time: float = 0.0
     # SamplingParams.prompt_logprobs, filled chunk by chunk by completion 0's prefill; handed
     # over (and dropped here) with its first token's delta.
@@ -150,6 +157,11 @@ class LLMEngine:
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
         self._num_sync_requests = 0  # requests the overlapped loop cannot run, kept by step()
+        # Sequences whose reasoning budget the steps in flight could spend: the end ids they
+        # must then emit are host decisions, so the overlapped loop waits (`_may_sync`).
+        self._num_sync_seqs = 0
+        k = config.num_speculative_tokens if self.spec is not None else 0
+        self._sync_margin = 2 * (1 + k)  # tokens two overlapped steps may emit
         self._new: deque[Request] = deque()
         self._aborted: deque[str] = deque()
         self._rng = random.Random(config.seed)
@@ -205,6 +217,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidParameter("logit_bias", f"logit_bias ids must be in [0, {vocab})")
+        if params.reasoning is not None and max(params.reasoning.ids) >= vocab:
+            raise InvalidParameter("reasoning", f"reasoning ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
             raise InvalidParameter(
@@ -221,6 +235,8 @@ class LLMEngine:
         assert grammar is None or (spec is not None and grammar.key == spec.key), "wrong grammar"
         req = Request(request_id, text, prompt_ids, params, arrival_time=time.monotonic())
         req.grammars = [grammar.matcher() for _ in range(params.n)] if grammar else []
+        if params.reasoning is not None:
+            req.reasoning = [ReasoningState(params.reasoning) for _ in range(params.n)]
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt_ids)  # the first token's stays None
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -264,6 +280,8 @@ class LLMEngine:
             req = self._new.popleft()
             self.requests[req.request_id] = req
             self._num_sync_requests += self._needs_sync(req.params)
+            for r in req.reasoning:
+                self._may_sync(r)
             for seq in req.seqs:
                 self.scheduler.add(seq)
         while self._aborted:
@@ -298,7 +316,9 @@ class LLMEngine:
             # instead of spinning the host, which would also take the GIL from the server.
             time.sleep(LANE_IDLE_S)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
-            self._num_sync_requests -= self._needs_sync(self.requests.pop(rid).params)
+            req = self.requests.pop(rid)
+            self._num_sync_requests -= self._needs_sync(req.params)
+            self._num_sync_seqs -= sum(r.needs_sync for r in req.reasoning)
         return list(deltas.values())
 
     def _launch_lane(self) -> None:
@@ -311,6 +331,17 @@ class LLMEngine:
         grammar = p.structured_outputs is not None  # masks need the matchers advanced
         return p.needs_token_values or grammar or (self.spec is not None and p.needs_output_count)
 
+    def _may_sync(self, r: ReasoningState) -> None:
+        """Keep `_num_sync_seqs`: a sequence needs the synchronous loop while its budget has
+        fewer tokens left than the step in flight and the next overlapped one may emit (then
+        neither passes the budget, and the step after them is launched knowing whether to
+        force), and while it forces the end."""
+        left = r.num_left()
+        needs = left is not None and left < self._sync_margin
+        if needs != r.needs_sync:
+            r.needs_sync = needs
+            self._num_sync_seqs += 1 if needs else -1
+
     def _can_overlap(self) -> bool:
         """The overlapped loop needs every next input computable on the device: not with
         penalties (they count token values), nor with host-side drafters (n-gram drafts read
@@ -320,7 +351,7 @@ class LLMEngine:
             self.spec is not None and not self.spec.drafts_on_device
         ):
             return False
-        return self._num_sync_requests == 0  # O(1): this runs every step
+        return self._num_sync_requests == 0 and self._num_sync_seqs == 0  # O(1): every step
 
     def _launch(self, batch: ScheduledBatch, overlap: bool) -> InFlight:
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
@@ -329,11 +360,14 @@ class LLMEngine:
         prev = self._in_flight.pending if overlap and self._in_flight else None
         bitmask = None
         seqs = [batch.seqs[i] for i in sampled]
-        if self._num_sync_requests and any(s.params.structured_outputs for s in seqs):
-            # Grammar masks (the last step's tokens advanced the matchers): the runner fills
-            # them once the forward is enqueued, so the host works while the device runs it.
+        if (self._num_sync_requests or self._num_sync_seqs) and any(
+            s.params.structured_outputs or s.params.reasoning for s in seqs
+        ):
+            # Grammar masks (the last step's tokens advanced the matchers) and forced end ids:
+            # the runner fills them once the forward is enqueued, so the host works while the
+            # device runs it.
             def bitmask():
-                return self._bitmask.fill(seqs, self._grammar)
+                return self._bitmask.fill(seqs, self._constraint)
 
         pending = self.runner.launch(batch, rows, prev, bitmask)
         positions = None
@@ -403,12 +437,21 @@ class LLMEngine:
                 seq.draft_ids = (
                     self.spec.next_drafts(seq, out.draft_ids, self.max_model_len) if running else []
                 )
-                if seq.draft_ids and seq.params.structured_outputs is not None:
-                    seq.draft_ids = self._grammar(seq).valid_drafts(seq.draft_ids)
+                req = self.requests[seq.request_id]
+                r = req.reasoning[seq.index] if req.reasoning else None
+                if seq.draft_ids and r is not None:
+                    seq.draft_ids = r.trim_drafts(seq.draft_ids)
+                if seq.draft_ids and req.grammars and (r is None or r.is_ended):
+                    seq.draft_ids = req.grammars[seq.index].valid_drafts(seq.draft_ids)
             self._delta(deltas, self.requests[seq.request_id], seq, *delta)
 
-    def _grammar(self, seq: Sequence) -> GrammarState:
-        return self.requests[seq.request_id].grammars[seq.index]
+    def _constraint(self, seq: Sequence) -> GrammarState | int | None:
+        """What masks a sequence's next token: the end id it must emit, else its grammar once
+        the reasoning (if any) ended, else nothing."""
+        req = self.requests[seq.request_id]
+        if req.reasoning and not (r := req.reasoning[seq.index]).is_ended:
+            return r.forced_token
+        return req.grammars[seq.index] if req.grammars else None
 
     def _sampling_rows(self, seq: Sequence) -> list[SamplingRow]:
         """One row per position sampled: the last token's, then one after each draft (the RNG
@@ -434,8 +477,12 @@ class LLMEngine:
         p = seq.params
         detok = req.detoks[seq.index]
         ids, text, logprobs, reason, stop_reason = [], "", None, None, None
+        r = req.reasoning[seq.index] if req.reasoning else None
         for out in outs:
             token = out.token_id
+            grammar = req.grammars and (r is None or r.is_ended)  # before this token: answer
+            if r is not None:
+                r.advance(token)
             seq.token_ids.append(token)
             ids.append(token)
             text += detok.add([token]) if detok else ""
@@ -449,12 +496,14 @@ class LLMEngine:
                 reason, stop_reason = "stop", detok.stop_reason
                 if p.include_stop_str_in_output:
                     text += detok.stop_reason
-            elif req.grammars and req.grammars[seq.index].finishes_on(token):
+            elif grammar and req.grammars[seq.index].finishes_on(token):
                 reason = "stop"  # the grammar ended (its EOS taken, even with ignore_eos)
             elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason is not None:
                 break  # drafts accepted past a stop are dropped
+        if r is not None:
+            self._may_sync(r)
         if reason is not None and detok and not detok.stopped:
             text += detok.flush()
         seq.stop_reason = stop_reason
@@ -489,5 +538,7 @@ class LLMEngine:
         self.scheduler.check_invariants()
         recount = sum(self._needs_sync(r.params) for r in self.requests.values())
         assert self._num_sync_requests == recount, "sync request count drifted"
+        recount = sum(s.needs_sync for r in self.requests.values() for s in r.reasoning)
+        assert self._num_sync_seqs == recount, "sync sequence count drifted"
         if not self.scheduler.has_work:
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"
