@@ -12,13 +12,18 @@ import openai
 import pytest
 from thinking_helpers import CALL, MODEL, TIME_TOOL, forced, run_server, thinking_llm
 
+from tinyserve import SamplingParams
+from tinyserve.sampling_params import StructuredOutputsParams as SO
+from tinyserve.serve.chat_template import render_chat
 from tinyserve.serve.reasoning import (
     ANSWER,
     EITHER,
     REASONING,
     ReasoningParser,
+    effort_budget,
     num_reasoning_tokens,
     output_start,
+    reasoning_params,
 )
 
 ASK = [{"role": "user", "content": "What time is it?"}]
@@ -257,3 +262,79 @@ def test_forced_call_after_an_opened_think_is_the_answer(engine):
     ch = run_server(engine, go).choices[0]
     assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
     assert ch.message.reasoning is None and ch.message.content is None
+
+
+# -- the reasoning budget and grammars after the reasoning: the mapping, run by the engine --------
+
+
+def test_effort_budgets():
+    assert [effort_budget(e, None) for e in ("minimal", "low", "medium", "high")] == [
+        256,
+        1024,
+        4096,
+        16384,
+    ]
+    assert effort_budget("high", 100) == 99  # capped by max_tokens
+    assert effort_budget(None, 100) is effort_budget("xhigh", 100) is None
+
+
+def test_reasoning_params_by_start_and_grammar(engine):
+    tok = engine.tokenizer
+    close = tok.encode("</think>", add_special_tokens=False)
+    regex, schema = SO(regex="a"), SO(json={"type": "object"})
+    assert reasoning_params(tok, None, 9, None) == (None, None)  # no parser
+    assert reasoning_params(tok, ANSWER, 9, schema) == (ANSWER, None)  # thinking off
+    assert reasoning_params(tok, REASONING, None, None) == (REASONING, None)  # nothing to do
+    assert reasoning_params(tok, REASONING, 9, regex) == (REASONING, None)  # it spells the tags
+    start, spec = reasoning_params(tok, REASONING, 9, None)
+    assert (start, spec.end_ids, spec.budget, spec.starts_in_reasoning) == (
+        REASONING,
+        close,
+        9,
+        True,
+    )
+    start, spec = reasoning_params(tok, REASONING, None, schema)  # the grammar after </think>
+    assert start == REASONING and spec.budget is None and spec.starts_in_reasoning
+    assert reasoning_params(tok, EITHER, 9, schema) == (ANSWER, None)  # as before: all answer
+    start, spec = reasoning_params(tok, EITHER, 9, None, forced_tool=False)
+    assert not spec.starts_in_reasoning
+    assert spec.start_ids == tok.encode("<think>", add_special_tokens=False)
+
+
+def run_engine(engine, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    engine.add_request("budget", prompt_ids, params)
+    ids = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            ids += out.outputs[0].token_ids
+    engine.check_invariants()
+    return ids
+
+
+@pytest.mark.parametrize("start_opened", [True, False])
+def test_budget_then_json_after_the_reasoning(engine, start_opened):
+    """A rendered prompt that opens <think>, a budget of 6 and a JSON schema: exactly 6 reasoning
+    tokens (unmasked), the `</think>` the engine forced, then an answer that is the schema's.
+    When the model may open the reasoning itself, the schema holds from the first token."""
+    tok = engine.tokenizer
+    options = {"add_generation_prompt": True, "think_in_prompt": start_opened}
+    ids, text = render_chat(tok, ASK, None, options)
+    start = output_start("qwen3", text)
+    assert start == (REASONING if start_opened else EITHER)
+    ok = {"type": "object", "properties": {"ok": {"enum": [1, 2]}}, "required": ["ok"]}
+    schema = SO(json=ok | {"additionalProperties": False}, disable_any_whitespace=True)
+    start, spec = reasoning_params(tok, start, 6, schema)
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, reasoning=spec, structured_outputs=schema
+    )
+    out = run_engine(engine, ids, params)
+    parser = ReasoningParser(start)
+    reasoning, answer = parser.feed(tok.decode(out), final=True)
+    assert json.loads(answer) in ({"ok": 1}, {"ok": 2})
+    if start_opened:  # 6 noise tokens, then the end the engine forced
+        close = tok.encode("</think>", add_special_tokens=False)
+        assert out[6 : 6 + len(close)] == close
+        assert num_reasoning_tokens(tok, out, True) == 6 + len(close)
+        assert reasoning == tok.decode(out[:6])
+    else:  # the model may not open a reasoning: the grammar holds from the first token
+        assert start == ANSWER and reasoning == ""

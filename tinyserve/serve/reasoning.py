@@ -7,12 +7,18 @@ Where the output starts is read off the rendered prompt: a prompt ending in an o
 deepseek_r1 assumes it did (R1 may omit `<think>`). A tag split across tokens or detokenizer steps
 is held back until it is whole, so streamed and whole outputs split alike. `OutputSplit` chains the
 split and the tool-call parser: tool calls are read from the answer only.
+
+`reasoning_params` turns where the output starts and a budget (Anthropic's `thinking.budget_tokens`,
+vLLM's `thinking_token_budget`, OpenAI's `reasoning.effort` through `EFFORT_BUDGETS`) into the
+engine's `SamplingParams.reasoning`: the budget forces `</think>`, and a JSON, choice or forced-tool
+grammar applies after it.
 """
 
 from __future__ import annotations
 
 from tinyserve.model.tokenizer import Tokenizer
 from tinyserve.outputs import CompletionOutput
+from tinyserve.sampling_params import ReasoningParams, StructuredOutputsParams
 from tinyserve.serve.tool_parser import ToolStreams, _partial_tail, extract_tool_calls
 
 PARSERS = ("qwen3", "deepseek_r1")
@@ -32,6 +38,52 @@ def output_start(parser: str | None, prompt_text: str) -> str | None:
     if tail.endswith(CLOSE):
         return ANSWER  # thinking switched off in the template
     return REASONING if parser == "deepseek_r1" else EITHER
+
+
+# Reasoning tokens per OpenAI `reasoning.effort` (the Responses API): fixed budgets, capped by
+# max_tokens - 1; "none" switches thinking off in the template, "xhigh" sets no budget.
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+
+
+def effort_budget(effort: str | None, max_tokens: int | None) -> int | None:
+    """The budget of a `reasoning.effort` (None: no budget)."""
+    budget = EFFORT_BUDGETS.get(effort) if effort is not None else None
+    if budget is not None and max_tokens is not None:
+        budget = min(budget, max(0, max_tokens - 1))
+    return budget
+
+
+def reasoning_params(
+    tokenizer: Tokenizer | None,
+    start: str | None,
+    budget: int | None,
+    spec: StructuredOutputsParams | None,
+    forced_tool: bool = False,
+) -> tuple[str | None, ReasoningParams | None]:
+    """(where the output starts, the engine's reasoning spec or None) for an output that starts
+    at `start` (output_start), with a reasoning `budget` and a structured-outputs `spec`.
+
+    A JSON schema, JSON object, choice or forced tool call applies after `</think>` when the
+    prompt opened the reasoning; when the model may open it itself, the output is all answer
+    (the grammar holds from the first token: the engine cannot start it after a reasoning that
+    may never come). A regex or EBNF grammar may spell the tags itself: it covers the whole
+    output, and no budget applies."""
+    if start is None or start == ANSWER or tokenizer is None:
+        return start, None
+    json_like = spec is not None and (
+        spec.json is not None or spec.json_object or spec.choice is not None or forced_tool
+    )
+    if spec is not None and not json_like:
+        return start, None
+    if json_like and start == EITHER:
+        return ANSWER, None
+    if budget is None and not json_like:
+        return start, None  # nothing for the engine to do
+    end_ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+    if start == REASONING:
+        return start, ReasoningParams(end_ids, budget)
+    start_ids = tokenizer.encode(OPEN, add_special_tokens=False)
+    return start, ReasoningParams(end_ids, budget, starts_in_reasoning=False, start_ids=start_ids)
 
 
 class ReasoningParser:
