@@ -101,6 +101,28 @@ def test_tool_round_trip(engine):
     assert count.input_tokens == second.usage.input_tokens + cached
 
 
+def test_thinking_budget_is_exact(engine):
+    """thinking.budget_tokens is enforced: after a prompt that opened <think>, this random model
+    thinks for exactly the budget, the engine forces </think>, and the answer follows."""
+    end_ids = engine.tokenizer.encode("</think>", add_special_tokens=False)
+
+    async def go(client):
+        c = client_of(client)
+        m = await c.messages.create(
+            model=MODEL,
+            max_tokens=30,
+            messages=ASK,
+            thinking={"type": "enabled", "budget_tokens": 6},
+            extra_body={"chat_template_kwargs": {"think_in_prompt": True}, "temperature": 0},
+        )
+        await c.close()
+        return strict(m)
+
+    m = run_server(engine, go)
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.stop_reason == "max_tokens"
+    assert m.usage.output_tokens_details.thinking_tokens == 6 + len(end_ids)
+
+
 def test_count_tokens_thinking_off_and_prefill(engine):
     tok = engine.tokenizer
 

@@ -249,11 +249,15 @@ def test_bad_chat_template_kwargs_are_400s(engine):
     assert run_server(engine, go) == [(400, "chat_template_kwargs")] * 4
 
 
-def test_forced_call_after_an_opened_think_is_the_answer(engine):
-    """A grammar holds from the first token on: a forced call after a prompt that opened <think>
-    is no reasoning (until the engine starts grammars after the reasoning)."""
+def test_forced_call_after_an_opened_think_follows_the_reasoning(engine):
+    """After a prompt that opened <think>, a forced call's grammar applies once the reasoning
+    ended: thinking_token_budget (vLLM's) makes this random model end it, the call follows."""
     named = {"type": "function", "function": {"name": "get_time"}}
-    opened = {"chat_template_kwargs": {"think_in_prompt": True}, "temperature": 0}
+    opened = {
+        "chat_template_kwargs": {"think_in_prompt": True},
+        "temperature": 0,
+        "thinking_token_budget": 5,
+    }
 
     async def go(client):
         kw = dict(tools=[TIME_TOOL], tool_choice=named, max_tokens=250, extra_body=opened)
@@ -261,7 +265,17 @@ def test_forced_call_after_an_opened_think_is_the_answer(engine):
 
     ch = run_server(engine, go).choices[0]
     assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
-    assert ch.message.reasoning is None and ch.message.content is None
+    assert ch.message.reasoning and ch.message.content is None
+
+
+def test_thinking_token_budget_is_checked(engine):
+    async def go(client):
+        for bad_budget in (-1, 1.5, "3", True):
+            with pytest.raises(openai.BadRequestError) as e:
+                await chat(client, max_tokens=4, extra_body={"thinking_token_budget": bad_budget})
+            assert e.value.body["param"] == "thinking_token_budget"
+
+    run_server(engine, go)
 
 
 # -- the reasoning budget and grammars after the reasoning: the mapping, run by the engine --------

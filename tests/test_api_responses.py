@@ -58,6 +58,29 @@ def test_plain_and_with_reasoning(engine):
     assert 0 < thought.usage.output_tokens_details.reasoning_tokens < thought.usage.output_tokens
 
 
+def test_reasoning_effort_sets_the_budget(engine):
+    """reasoning.effort "minimal" is a 256-token budget: then </think> is forced, the answer
+    follows."""
+    end_ids = engine.tokenizer.encode("</think>", add_special_tokens=False)
+
+    async def go(client):
+        c = client_of(client)
+        r = await c.responses.create(
+            model=MODEL,
+            input="What time is it?",
+            max_output_tokens=300,
+            temperature=0,
+            reasoning={"effort": "minimal"},
+            extra_body={"chat_template_kwargs": {"think_in_prompt": True}},
+        )
+        await c.close()
+        return strict(r)
+
+    r = run_server(engine, go)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.usage.output_tokens_details.reasoning_tokens == 256 + len(end_ids)
+
+
 def test_streamed_events_in_order(engine):
     async def go(client):
         c = client_of(client)

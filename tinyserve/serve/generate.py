@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -99,8 +100,16 @@ async def run_chat(
     await prepare_grammar(st, req)
     ids, text = await render(st, req)
     start = reasoning.output_start(st.config.reasoning_parser, text)
-    if start is not None and _grammar_excludes_reasoning(req):
-        start = reasoning.ANSWER
+    # The engine's reasoning spec: the budget, and a grammar that applies after `</think>`.
+    start, spec = reasoning.reasoning_params(
+        st.tokenizer,
+        start,
+        req.reasoning_budget,
+        req.params.structured_outputs,
+        forced_tool=req.structured_param == "tools",
+    )
+    if spec is not None:
+        req.params = dataclasses.replace(req.params, reasoning=spec)
 
     def make(prompt_ids: list[list[int]], truncated: list[bool]) -> Builder:
         if make_builder is None:
@@ -108,17 +117,6 @@ async def run_chat(
         return make_builder(prompt_ids, truncated, start)
 
     return await generate(request, req, [ids], arrival, make)
-
-
-def _grammar_excludes_reasoning(req: GenerateRequest) -> bool:
-    """A JSON schema, JSON object, choice or forced tool call holds from the first token on (the
-    engine does not yet start a grammar after the reasoning): the output is all answer, even
-    after a prompt that opened <think>. A regex or grammar may spell out the tags itself."""
-    spec = req.params.structured_outputs
-    if spec is None:
-        return False
-    json_like = spec.json is not None or spec.json_object or spec.choice is not None
-    return json_like or req.structured_param == "tools"
 
 
 def chat_builder(

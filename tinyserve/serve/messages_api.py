@@ -4,8 +4,9 @@ mapping), runs down the one request path (serve/generate.py), and `MessagesBuild
 outputs into content blocks (thinking, text, tool_use) and Anthropic's stream events.
 
 Errors take Anthropic's shape on these routes (middleware.anthropic_error). `thinking` switches
-the template's `enable_thinking`; its `budget_tokens` is validated but not enforced (the engine
-has no reasoning budget yet). A final assistant message of text is a prefill the model continues.
+the template's `enable_thinking`, and its `budget_tokens` becomes the chat request's
+`thinking_token_budget` (the engine forces `</think>` once it is spent). A final assistant message
+of text is a prefill the model continues.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def parse(body: Any, st: ServerState, count_only: bool = False) -> GenerateReque
     chat["tools"] = _tools(body.get("tools"))
     chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(body.get("tool_choice"))
     chat["chat_template_kwargs"] = _thinking(body, max_tokens)
+    thinking = body.get("thinking")  # a valid one: _thinking checked it
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        chat["thinking_token_budget"] = thinking["budget_tokens"]
     last = messages[-1]
     if last["role"] == "assistant" and "tool_calls" not in last and last["content"]:
         chat["continue_final_message"] = True  # a prefill: the model continues it

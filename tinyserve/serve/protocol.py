@@ -87,6 +87,9 @@ class GenerateRequest:
     # Chat template switches (add_generation_prompt, continue_final_message) and
     # chat_template_kwargs: serve/chat_template.py.
     render_options: dict[str, Any] = field(default_factory=dict)
+    # Reasoning tokens before `</think>` is forced (vLLM's thinking_token_budget; /v1/messages'
+    # thinking.budget_tokens and /v1/responses' reasoning.effort map onto it): serve/reasoning.py.
+    reasoning_budget: int | None = None
 
 
 def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
@@ -103,6 +106,10 @@ def parse_chat(body: Any, info: ModelInfo) -> GenerateRequest:
     req = _common(body, info, key or "max_tokens", (top or 0) if logprobs else None)
     req.messages = messages
     req.render_options = fields.render_options(body)
+    budget = fields.optional(body, "thinking_token_budget", int, "an integer >= 0 or null")
+    if budget is not None and budget < 0:
+        raise bad("thinking_token_budget", "thinking_token_budget must be an integer >= 0")
+    req.reasoning_budget = budget
     _extras(req, body, info)
     _structured(req, body, chat=True)
     return req

@@ -21,6 +21,7 @@ from tinyserve.serve import generate, protocol
 from tinyserve.serve.errors import APIError, bad, unsupported
 from tinyserve.serve.middleware import credential, json_response, read_json
 from tinyserve.serve.protocol import GenerateRequest
+from tinyserve.serve.reasoning import effort_budget
 from tinyserve.serve.response_store import scope_of
 from tinyserve.serve.responses_output import ResponsesBuilder
 from tinyserve.serve.state import STATE, ServerState
@@ -91,6 +92,10 @@ def parse(body: Any, st: ServerState, scope: str) -> Turn:
     chat["parallel_tool_calls"] = body.get("parallel_tool_calls")
     chat["response_format"] = _text_format(body.get("text"))
     chat["chat_template_kwargs"] = _template_kwargs(body)
+    effort = (body.get("reasoning") or {}).get("effort")  # a valid one: checked just above
+    limit = body.get("max_output_tokens")  # parse_chat checks it; here only an int caps
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    chat["thinking_token_budget"] = effort_budget(effort, limit)
     try:
         req = protocol.parse_chat(chat, st.info)
     except APIError as e:
