@@ -159,30 +159,35 @@ MIN_SPLIT_KEYS = 1024  # keys a split gets at least, so its programs outweigh th
 TALL_MIN_ROWS = 896  # query rows (tokens x padded group) from which one chunk takes tall tiles
 
 
-def prefill_tile(batch: int, query_rows: int, dtype: torch.dtype, smem: int
-                 ) -> tuple[int, int, int, int]:
+def prefill_tile(batch: int, query_rows: int, dtype: torch.dtype, smem: int,
+                 head_dim: int = 128) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) of a launch on the GPU. 64 x 64 tiles and 4 warps: the
     best of 6 configs for batches of several rows (bf16, Llama-3.1-8B heads). One long chunk
     (the prefill lane's 4,096 tokens) takes 128 x 128 tiles and 8 warps where 3 stages of K and
     V and the query tile fit: each K/V tile then serves twice the query rows (7-13% faster a
     call at 32k keys, never slower; a lane prompt's TTFT 10% shorter). Not 128 x 64 tiles for
     groups of 4 query heads: faster a call at their best split counts, but slower end to end
-    where a launch has one split and few tiles (docs/benchmark-log.md)."""
+    where a launch has one split and few tiles (docs/benchmark-log.md). Heads wider than 128
+    (Qwen3.5's 256) take 64 x 64 tiles in 2 stages: 3 stages of them, or the tall tile, need
+    more shared memory than an H100 has."""
     size = dtype.itemsize
+    if head_dim > 128:
+        return 64, 64, 4, 2
     if batch == 1 and query_rows >= TALL_MIN_ROWS and (3 * 2 + 1) * 128 * 128 * size <= smem:
         return 128, 128, 8, 3
     return 64, 64, 4, 2 if size == 4 else 3
 
 
-def prefill_tiles(dtype: torch.dtype, device: torch.device) -> set[tuple[int, int, int, int]]:
+def prefill_tiles(dtype: torch.dtype, device: torch.device, head_dim: int = 128
+                  ) -> set[tuple[int, int, int, int]]:
     """Every tile `prefill_tile` gives on this GPU (the engine compiles each at start-up)."""
     smem = shared_memory(device)
-    return {prefill_tile(b, TALL_MIN_ROWS, dtype, smem) for b in (1, 2)}
+    return {prefill_tile(b, TALL_MIN_ROWS, dtype, smem, head_dim) for b in (1, 2)}
 
 
 def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads: int,
                        num_kv_heads: int, device: torch.device,
-                       dtype: torch.dtype = torch.bfloat16) -> int:
+                       dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> int:
     """Key splits for a step (host lists, no sync): each program attends one query tile over
     its keys, so a chunk of a long prompt beside short rows is a handful of programs that each
     read tens of thousands of keys while most SMs sit idle. Cut the longest program's keys until
@@ -193,7 +198,7 @@ def prefill_num_splits(query_lens: list[int], context_lens: list[int], num_heads
         return 1
     g_pad = next_pow2(num_heads // num_kv_heads)
     block_m, _, warps, _ = prefill_tile(len(query_lens), max(query_lens) * g_pad, dtype,
-                                        shared_memory(device))
+                                        shared_memory(device), head_dim)
     block_q = block_m // g_pad
     work = sum(-(-n // block_q) * c for n, c in zip(query_lens, context_lens)) * num_kv_heads
     longest = max(context_lens)
@@ -244,7 +249,7 @@ def prefill_attention(
     g_pad = next_pow2(group)
     interp = is_interpreter()
     tile = (16, 16, 4, 2) if interp else prefill_tile(batch, max_query_len * g_pad, q.dtype,
-                                                      shared_memory(q.device))
+                                                      shared_memory(q.device), head_dim)
     block_m = max(block_m or tile[0], 16, g_pad)
     block_q = block_m // g_pad
     block_n = block_n or tile[1]

@@ -239,7 +239,7 @@ class ModelRunner:
             mc = self.model_config
             heads = (mc.num_attention_heads, mc.num_key_value_heads)
             md.prefill_num_splits = prefill_num_splits(
-                h.q_lens, h.ctx_lens, *heads, self.device, self.dtype
+                h.q_lens, h.ctx_lens, *heads, self.device, self.dtype, mc.head_dim
             )
         return x
 

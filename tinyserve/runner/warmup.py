@@ -59,7 +59,7 @@ def compile_prefill_attention(runner) -> None:
     q = torch.zeros(1, heads, head_dim, dtype=runner.dtype, device=runner.device)
     table = torch.full((1, 1), runner.num_kv_blocks, dtype=torch.int32, device=runner.device)
     cu, lens = (torch.tensor(v, dtype=torch.int32, device=runner.device) for v in ([0, 1], [1]))
-    for m, n, warps, stages in prefill_tiles(runner.dtype, runner.device):
+    for m, n, warps, stages in prefill_tiles(runner.dtype, runner.device, head_dim):
         for splits in (1, 2):
             prefill_attention(
                 q,
