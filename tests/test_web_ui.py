@@ -11,58 +11,24 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
-from types import SimpleNamespace
 
 import pytest
 from process_helpers import Server
 from test_server import serving
 
-from tinyserve.serve import middleware, server
-from tinyserve.serve.web_ui import HEADERS, add_web_ui, ui_url
+from tinyserve.serve.web_ui import HEADERS, ui_url
 
 pytestmark = pytest.mark.slow
 
 KEY = "page-key-123"
 CSP = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-# Until server.py calls add_web_ui itself (before its catch-all route, `Unrouted`, registered
-# last), the tests call it there; and the process is started with the same wiring.
-WIRED = "web_ui" in server.ServerConfig.__dataclass_fields__
-WIRE = """
-from types import SimpleNamespace
-from tinyserve.serve import server, web_ui
-
-def unrouted(router):
-    web_ui.add_web_ui(SimpleNamespace(router=router))
-    return Unrouted(router)
-
-Unrouted, server.Unrouted = server.Unrouted, unrouted
-"""
-KEYLESS_PAGE = pytest.mark.xfail(
-    not hasattr(middleware, "PAGE_ROUTES"),
-    reason="the API key gate lets no route but /health through: middleware.py needs PAGE_ROUTES",
-    strict=True,
-)
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_llm):
     return smollm2_llm.engine
-
-
-@pytest.fixture(autouse=True)
-def wired(monkeypatch):
-    if not WIRED:
-        Unrouted = server.Unrouted
-
-        def unrouted(router):
-            add_web_ui(SimpleNamespace(router=router))
-            return Unrouted(router)
-
-        monkeypatch.setattr(server, "Unrouted", unrouted)
 
 
 async def raw_get(client, path: str, host: str = "localhost") -> tuple[int, str]:
@@ -134,7 +100,6 @@ def test_page_is_refused_to_a_foreign_host(engine):
         assert status == 400 and "invalid_host" in body
 
 
-@KEYLESS_PAGE
 def test_page_loads_without_the_api_key(engine):
     async def go():
         async with serving(engine, api_key=KEY) as client:
@@ -154,7 +119,6 @@ def test_api_needs_the_key_beside_the_page(engine):
     assert asyncio.run(go()) == (401, 200, 401)  # POST to a page route: not keyless
 
 
-@pytest.mark.skipif(not WIRED, reason="ServerConfig has no web_ui field yet (--no-web-ui)")
 def test_no_web_ui_serves_no_page(engine):
     async def go():
         async with serving(engine, web_ui=False) as client:
@@ -176,18 +140,6 @@ def test_ui_url():
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-class WiredServer(Server):
-    """`tinyserve run`, with the page wired in as the tests above do (until server.py does)."""
-
-    def __init__(self, tmp_path, *args: str) -> None:
-        self.log_path = tmp_path / "server.log"
-        self._log = open(self.log_path, "w")
-        launch = WIRE + "from tinyserve.cli import main\nmain()\n"
-        cmd = [sys.executable, "-c", launch, "run", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        self.url = self._wait_ready(timeout=240)
-
-
 def requests_by_outcome(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     found = re.findall(r'^tinyserve:requests_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$', text, re.M)
@@ -200,11 +152,10 @@ def test_chat_in_headless_chromium(tmp_path, smollm2_path):
     playwright = pytest.importorskip(
         "playwright.sync_api", reason="needs playwright (pip install playwright; no browsers)"
     )
-    srv = (Server if WIRED else WiredServer)(tmp_path, "--model", smollm2_path)
+    srv = Server(tmp_path, "--model", smollm2_path)
     try:
-        if WIRED:  # the banner's next lines: the model directory, the page
-            banner = [srv.proc.stdout.readline() for _ in range(2)]
-            assert f"tinyserve: chat page at {srv.url}/\n" in banner, banner
+        banner = [srv.proc.stdout.readline() for _ in range(2)]  # the model directory, the page
+        assert f"tinyserve: chat page at {srv.url}/\n" in banner, banner
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM)
             try:
