@@ -98,6 +98,7 @@ def test_tool_round_trip(engine):
     assert streamed.content[1].input == {"zone": "CET"} and streamed.stop_reason == "tool_use"
     assert second.content[0].text == "It is noon." and second.stop_reason == "end_turn"
     cached = second.usage.cache_read_input_tokens
+    assert cached >= 16  # the second turn reuses the first turn's prompt (prefix caching)
     assert count.input_tokens == second.usage.input_tokens + cached
 
 
