@@ -52,6 +52,9 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None  # None = "cuda" if available else "cpu"
     enable_prefix_caching: bool = True
+    # Hybrid models: checkpoint slots for exact recurrent states at prefix-cache hit points
+    # (None: max_num_seqs; 0: no checkpoints, so no hits).
+    prefix_cache_state_budget: int | None = None
     enforce_eager: bool = False  # True: no CUDA graphs (debugging, and the graphs-off test)
     # The overlapped step loop: step N+1 is launched before step N's tokens reach the host
     # (off, or automatically per step with speculation or penalties: one step at a time).
@@ -88,6 +91,11 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        budget = self.prefix_cache_state_budget
+        if budget is not None and (
+            not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+        ):
+            raise InvalidConfig("prefix_cache_state_budget", f"must be >= 0, got {budget!r}")
         # Triton kernels tile a KV block with tl.arange, which needs a power of two.
         if self.block_size & (self.block_size - 1):
             raise InvalidConfig("block_size", f"must be a power of two, got {self.block_size}")

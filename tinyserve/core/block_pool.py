@@ -5,6 +5,10 @@ trie, evictable) or used (refcount >= 1, possibly also cached). Allocation takes
 first, then evicts cached leaves. Refcounts count sequences only; the trie holds no references.
 A block enters the trie only when committed: full, every token id final and its KV written.
 The pool never touches tensors, and nothing here assumes that every model layer stores paged KV.
+
+Hybrid models (`states`, core/state_pool.py): a match keeps only the blocks up to the deepest one
+with a ready state checkpoint, a committed block becomes the node of the checkpoints saved at
+its end, and an evicted node drops its checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import deque
 
 from tinyserve.core.prefix_trie import PrefixTrie
 from tinyserve.core.sequence import PLACEHOLDER, Sequence
+from tinyserve.core.state_pool import StatePool
 
 
 class BlockPool:
@@ -32,6 +37,11 @@ class BlockPool:
         # With an MTP head, a block's MTP-layer KV at its last position was computed from the
         # token after the block: that token joins the key, so a hit reuses exactly that KV.
         self.key_next_token = key_next_token
+        self.states: StatePool | None = None  # hybrid models: checkpoints hang off trie nodes
+        # The last match_prefix's restore: the checkpoint to copy (None: none) and the matched
+        # tokens before clamping to it (the branch point the sequence recomputes up to).
+        self.match_checkpoint: int | None = None
+        self.match_branch_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,10 +57,16 @@ class BlockPool:
 
     def allocate(self, num: int) -> list[int]:
         assert num <= self.num_free_blocks, "caller must check can_append first"
-        ids = [self.free_ids.popleft() if self.free_ids else self.trie.evict() for _ in range(num)]
+        ids = [self.free_ids.popleft() if self.free_ids else self._evict() for _ in range(num)]
         for i in ids:
             self.ref_counts[i] = 1
         return ids
+
+    def _evict(self) -> int:
+        block_id = self.trie.evict()
+        if self.states is not None:
+            self.states.drop_block(block_id)
+        return block_id
 
     def _ref(self, block_ids: list[int]) -> None:
         refs = self.ref_counts
@@ -132,6 +148,11 @@ class BlockPool:
         num = len(path)
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1
+        self.match_checkpoint, self.match_branch_tokens = None, num * bs
+        if self.states is not None:  # resume only where an exact state is kept
+            num = self.states.restore_point(path[:num])
+            if num:
+                self.match_checkpoint = self.states.checkpoint_of[path[num - 1]]
         seq.block_table = path[:num]
         self._ref(seq.block_table)
         seq.num_kv_computed = seq.kv_token_limit = num * bs
@@ -161,6 +182,11 @@ class BlockPool:
                 seq.block_table[i] = node
             seq.trie_node = node
         seq.num_committed_blocks = max(seq.num_committed_blocks, end // bs)
+        if self.states is not None and seq.seq_id in self.states.pending:
+            done = seq.num_committed_blocks * bs
+            for position, ck in list(self.states.pending_of(seq.seq_id)):
+                if position <= done:  # its last block is a trie node now
+                    self.states.attach(seq.seq_id, ck, seq.block_table[position // bs - 1])
 
     def check_invariants(self, seqs: list[Sequence] = ()) -> None:
         """Refcounts equal the live block tables holding each block; every block in one state."""

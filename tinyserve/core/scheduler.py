@@ -25,7 +25,12 @@ what verification rejected after the step.
 
 Hybrid models (a `state_pool`): a sequence also holds a state slot (core/state_pool.py) from
 admission to finish, abort or preemption; admission waits for a free one, and a preempted
-sequence's state is recomputed from its tokens when it is admitted again.
+sequence's state is recomputed from its tokens when it is admitted again. With prefix caching,
+a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
+`state_saves`), and a prefix hit resumes after the deepest matched block with a checkpoint, copied
+into the new sequence's slot before its first chunk (`state_restores`); a hit clamped short of the
+matched blocks has its first chunk end at the last of them (the branch point), so its checkpoint
+is saved there and every later prompt sharing the prefix resumes at it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, this step (1 + drafts for a speculative row)
     state_slots: list[int] | None = None  # hybrid models: each sequence's state slot
+    # Hybrid prefix caching: (checkpoint, slot) copied before the forward, and (slot, checkpoint)
+    # after it (the state after the row's chunk; rows carrying drafts save none).
+    state_restores: list[tuple[int, int]] | None = None
+    state_saves: list[tuple[int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +120,8 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self._batch: list[Sequence] = []
         self._nums: list[int] = []
+        self._restores: list[tuple[int, int]] = []
+        self._saves: list[tuple[int, int]] = []
         # A sequence at its length limit is done; the overlapped loop learns it a step late.
         live = [s for s in self.running if not self._exhausted(s)]
         decoding = [s for s in live if s.num_uncomputed == 1]
@@ -144,10 +155,10 @@ class Scheduler:
                 self._schedule_running(seq)
         if not self._batch:
             return None
-        slots = None
-        if self.state_pool is not None:
-            slots = [self.state_pool.owners[s.seq_id] for s in self._batch]
-        return ScheduledBatch(self._batch, self._nums, slots)
+        if self.state_pool is None:
+            return ScheduledBatch(self._batch, self._nums)
+        slots = [self.state_pool.owners[s.seq_id] for s in self._batch]
+        return ScheduledBatch(self._batch, self._nums, slots, self._restores, self._saves)
 
     def _feed_lane(self, prefilling: list[Sequence]) -> None:
         """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
@@ -222,8 +233,13 @@ class Scheduler:
         if seq.token_ids[-1] == PLACEHOLDER:
             return False  # preempted while its step was in flight: wait for that step's tokens
         # Tentative (undone below unless admitted); none for a prompt that needs its logits.
-        matched = 0 if needs_prompt_logprobs(seq) else self.pool.match_prefix(seq)
+        matched = branch = 0
+        if not needs_prompt_logprobs(seq):
+            matched = self.pool.match_prefix(seq)
+            branch = self.pool.match_branch_tokens  # > matched: clamped to a checkpoint
         num = min(seq.num_uncomputed, self._budget)
+        if branch > matched:  # the first chunk ends at the branch point: a checkpoint there
+            num = min(num, branch - matched)
         extra = self._lookahead(seq, num)
         in_flight = self._is_in_flight(seq, matched)
         no_slot = self.state_pool is not None and not self.state_pool.can_allocate()
@@ -233,7 +249,11 @@ class Scheduler:
             return False if in_flight else None
         self.waiting.remove(seq)
         if self.state_pool is not None:
-            self.state_pool.allocate(seq.seq_id)
+            slot = self.state_pool.allocate(seq.seq_id)
+            if matched:  # a hit: the checkpoint after the matched blocks into the slot
+                ck = self.state_pool.touch(seq.block_table[-1])
+                assert ck == self.pool.match_checkpoint
+                self._restores.append((ck, slot))
         if seq.num_preemptions == 0:  # hit statistics describe first admissions only
             seq.num_cached_tokens = matched
             if self.pool.trie is not None:
@@ -281,6 +301,22 @@ class Scheduler:
 
     def _take(self, seq: Sequence, num: int, extra: int = 0) -> None:
         self.pool.may_append(seq, num + extra)
+        end = seq.num_kv_computed + num
+        states = self.state_pool
+        if (
+            states is not None
+            and states.num_checkpoints
+            and self.pool.trie is not None
+            and end % self.pool.block_size == 0
+            and not seq.draft_ids
+            and not seq.num_unverified
+            and num <= seq.num_uncomputed
+            and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
+        ):
+            decode = seq.num_kv_computed >= seq.num_prompt_tokens
+            ck = states.take_checkpoint(seq.seq_id, end, decode)
+            if ck is not None:
+                self._saves.append((states.owners[seq.seq_id], ck))
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)

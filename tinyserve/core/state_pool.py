@@ -1,23 +1,41 @@
-"""Runtime state slots of hybrid models: one slot per running sequence, for every layer at once.
+"""State slots of hybrid models: runtime slots (one per running sequence) and checkpoint slots
+(exact states kept for prefix hits), each for every Gated DeltaNet layer at once.
 
-Slot i is row i of each Gated DeltaNet layer's state tensors (conv window + recurrent matrix),
-which the runner allocates (layers/gated_deltanet.py `allocate_states`); the pool is the
-bookkeeping only, plain Python. A sequence takes a slot on admission and gives it back on
-finish, abort or preemption. A slot holds the state after its sequence's first
-`num_kv_computed` tokens, so the runner passes has_initial_state = num_kv_computed > 0 and a
-freshly taken slot needs no zeroing. Invariant: every slot is either free or owned by exactly
-one sequence.
+Runtime slot i is row i of each DeltaNet layer's state tensors (conv window + recurrent matrix),
+which the runner allocates (layers/gated_deltanet.py `allocate_states`); checkpoint c is the row
+the runner puts at its `checkpoint_base + c`. The pool is the bookkeeping only, plain Python.
+A sequence takes a runtime slot on admission and gives it back on finish, abort or preemption. A
+slot holds the state after its sequence's first `num_kv_computed` tokens, so the runner passes
+has_initial_state = num_kv_computed > 0 and a freshly taken slot needs no zeroing.
+
+A checkpoint is the state after a whole number of blocks: saved (a device copy enqueued after the
+step that computed it) while *pending* on its sequence, then *ready* once the block it ends is
+committed to the prefix trie, hung off that block's node. A prefix match resumes only after a
+block with a ready checkpoint; every copy runs in stream order, so a ready checkpoint's copy is
+always enqueued before any restore from it. Ready checkpoints are evicted least recently used
+first, and with their trie node. Invariant: every slot and every checkpoint is in exactly one
+state (runtime: free / owned; checkpoint: free / pending on one sequence / ready on one node).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 
 class StatePool:
-    def __init__(self, num_slots: int) -> None:
-        assert num_slots > 0
+    def __init__(self, num_slots: int, num_checkpoints: int = 0) -> None:
+        assert num_slots > 0 and num_checkpoints >= 0
         self.num_slots = num_slots
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
         self.owners: dict[int, int] = {}  # seq_id -> slot
+        self.num_checkpoints = num_checkpoints
+        self.free_checkpoints: list[int] = list(range(num_checkpoints - 1, -1, -1))
+        # seq_id -> [(position, checkpoint)]: saved, its block not committed yet
+        self.pending: dict[int, list[tuple[int, int]]] = {}
+        self.ready: OrderedDict[int, int] = OrderedDict()  # checkpoint -> block id, LRU first
+        self.checkpoint_of: dict[int, int] = {}  # block id -> its ready checkpoint
+        self.tails: dict[int, tuple[int, int]] = {}  # seq_id -> (last decode save, its block)
+        self.num_checkpoint_saves = self.num_checkpoint_hits = self.num_checkpoint_evictions = 0
 
     @property
     def num_free_slots(self) -> int:
@@ -42,19 +60,96 @@ class StatePool:
         return self.owners.get(seq_id)
 
     def free(self, seq_id: int) -> None:
-        """Gives a finished, aborted or preempted sequence's slot back."""
+        """Gives a finished, aborted or preempted sequence's slot (and pending saves) back."""
         slot = self.owners.pop(seq_id, None)
         assert slot is not None, f"sequence {seq_id} holds no state slot (double free?)"
         self.free_slots.append(slot)
+        self.drop_pending(seq_id)
 
     def may_free(self, seq_id: int) -> None:
         """free(seq_id) if it holds a slot (an abort may come before admission)."""
         if seq_id in self.owners:
             self.free(seq_id)
 
-    def check_invariants(self, live_seq_ids: list[int] | None = None) -> None:
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def take_checkpoint(self, seq_id: int, position: int, decode: bool = False) -> int | None:
+        """A checkpoint for `seq_id`'s state after `position` tokens (pending until `attach`):
+        a free one, else the least recently used ready one; None when all are pending. A decode
+        save (`decode`) first takes the sequence's own previous decode save's back if that is
+        still ready: a decoding sequence keeps one checkpoint at its newest block end (the next
+        chat turn resumes there), not one per block, which would evict every prompt's."""
+        tail = self.tails.pop(seq_id, None)
+        if decode and tail is not None and self.ready.get(tail[0]) == tail[1]:
+            ck = tail[0]
+            del self.ready[ck], self.checkpoint_of[tail[1]]
+        elif self.free_checkpoints:
+            ck = self.free_checkpoints.pop()
+        elif self.ready:
+            ck, block_id = self.ready.popitem(last=False)
+            del self.checkpoint_of[block_id]
+            self.num_checkpoint_evictions += 1
+        else:
+            return None
+        self.pending.setdefault(seq_id, []).append((position, ck))
+        if decode:
+            self.tails[seq_id] = (ck, -1)  # its block: set by `attach`
+        self.num_checkpoint_saves += 1
+        return ck
+
+    def pending_of(self, seq_id: int) -> list[tuple[int, int]]:
+        return self.pending.get(seq_id, [])
+
+    def attach(self, seq_id: int, ck: int, block_id: int) -> None:
+        """Pending checkpoint `ck` ends committed trie block `block_id`: ready. A block that has
+        one already (the same prefix saved twice) keeps it, and `ck` is freed."""
+        entries = self.pending[seq_id]
+        entries.remove(next(e for e in entries if e[1] == ck))
+        if not entries:
+            del self.pending[seq_id]
+        if block_id in self.checkpoint_of:
+            self.free_checkpoints.append(ck)
+            return
+        if self.tails.get(seq_id, (None,))[0] == ck:
+            self.tails[seq_id] = (ck, block_id)
+        self.ready[ck] = block_id
+        self.checkpoint_of[block_id] = ck
+
+    def drop_pending(self, seq_id: int) -> None:
+        """A sequence stopped before its saves' blocks were committed: free those (its last
+        ready decode save stays, for whoever continues the conversation)."""
+        self.tails.pop(seq_id, None)
+        for _, ck in self.pending.pop(seq_id, ()):
+            self.free_checkpoints.append(ck)
+
+    def drop_block(self, block_id: int) -> None:
+        """A trie node was evicted (its block is reused): its checkpoint goes with it."""
+        ck = self.checkpoint_of.pop(block_id, None)
+        if ck is not None:
+            del self.ready[ck]
+            self.free_checkpoints.append(ck)
+            self.num_checkpoint_evictions += 1
+
+    def restore_point(self, path: list[int]) -> int:
+        """How many leading blocks of a matched chain to keep: up to the deepest one with a
+        ready checkpoint (0: none, the sequence starts from an empty state)."""
+        for k in range(len(path), 0, -1):
+            if path[k - 1] in self.checkpoint_of:
+                return k
+        return 0
+
+    def touch(self, block_id: int) -> int:
+        """A hit restores the checkpoint after `block_id`: most recently used now."""
+        ck = self.checkpoint_of[block_id]
+        self.ready.move_to_end(ck)
+        self.num_checkpoint_hits += 1
+        return ck
+
+    def check_invariants(self, live_seq_ids: list[int] | None = None, cached_blocks=None) -> None:
         """Every slot free or owned by one sequence; with `live_seq_ids`, exactly those
-        sequences own slots (after all requests end: pass [] and every slot is free)."""
+        sequences own slots (after all requests end: pass [] and every slot is free). Every
+        checkpoint free, pending on one live sequence or ready on one node (`cached_blocks`:
+        the trie's blocks, where every ready checkpoint must hang)."""
         free = set(self.free_slots)
         assert len(free) == len(self.free_slots), "a slot freed twice"
         owned = list(self.owners.values())
@@ -63,3 +158,12 @@ class StatePool:
         assert free | set(owned) == set(range(self.num_slots)), "a slot leaked"
         if live_seq_ids is not None:
             assert set(self.owners) == set(live_seq_ids), "slot owners != live sequences"
+        assert set(self.pending) <= set(self.owners), "a stopped sequence keeps pending saves"
+        assert set(self.tails) <= set(self.owners), "a stopped sequence keeps its tail"
+        pending = [ck for entries in self.pending.values() for _, ck in entries]
+        every = self.free_checkpoints + pending + list(self.ready)
+        assert len(every) == len(set(every)), "a checkpoint in two places"
+        assert set(every) == set(range(self.num_checkpoints)), "a checkpoint leaked"
+        assert {b: c for c, b in self.ready.items()} == self.checkpoint_of, "node map drifted"
+        if cached_blocks is not None:
+            assert all(b in cached_blocks for b in self.checkpoint_of), "checkpoint on no node"

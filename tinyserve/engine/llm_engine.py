@@ -115,10 +115,6 @@ class LLMEngine:
                     "'mtp' is not supported for hybrid (linear attention) models yet: use "
                     "'ngram' or none",
                 )
-            if config.enable_prefix_caching:
-                # A hit would skip tokens whose recurrent state no cache holds.
-                log.info("prefix caching is off: not supported for hybrid models yet")
-                config.enable_prefix_caching = False
         # A checkpoint without tokenizer.json (dummy benchmark shapes) takes and gives token ids.
         has_tokenizer = os.path.exists(os.path.join(config.model, "tokenizer.json"))
         self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer else None
@@ -133,6 +129,11 @@ class LLMEngine:
             config.enable_prefix_caching,
             key_next_token=self.spec is not None and self.spec.keys_next_token,
         )
+        # Hybrid models: runtime state slots, and the checkpoints prefix hits resume from.
+        states = (
+            StatePool(config.max_num_seqs, self.runner.num_checkpoints) if self.is_hybrid else None
+        )
+        self.pool.states = states if config.enable_prefix_caching else None
         capacity = self.pool.num_blocks * config.block_size
         limit = config.max_model_len or self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > capacity:
@@ -152,7 +153,7 @@ class LLMEngine:
             lane_chunk=self.runner.lane.chunk if self.runner.lane is not None else 0,
             lane_depth=self.runner.lane.depth if self.runner.lane is not None else 0,
             lane_limit=self.runner.max_blocks_per_seq * config.block_size,
-            state_pool=StatePool(config.max_num_seqs) if self.is_hybrid else None,
+            state_pool=states,
         )
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}

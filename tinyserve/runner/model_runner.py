@@ -7,8 +7,9 @@ MTP drafts) to pinned host memory. The engine calls it while the next step alrea
 overlapped loop).
 
 Hybrid models also get the DeltaNet layers' state rows (runner/states.py): one slot per
-sequence, a scratch slot, and a speculative engine's per-token slots; eager steps, and decode
-graphs (no prefill, mixed or verify graphs, no prefill lane yet).
+sequence, a scratch slot, a speculative engine's per-token slots and the prefix cache's
+checkpoints (copied to a hit's slot before the forward, saved after it); eager steps, and decode
+graphs (no prefill, mixed, verify or cascade graphs, no prefill lane yet).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from tinyserve.runner.pending import PendingStep, PromptScores, to_host
 from tinyserve.runner.prefill_lane import build_lane
 from tinyserve.runner.states import (
     allocate_state_rows,
+    checkpoint_budget,
     commit_token_states,
+    copy_states,
     host_states,
     state_pool_size,
 )
@@ -108,6 +111,9 @@ class ModelRunner:
         self.is_hybrid = "linear_attention" in model_config.layer_types
         self.state_scratch = config.max_num_seqs  # the scratch slot (runner/states.py)
         self.num_state_slots, self.state_bytes = state_pool_size(model_config, config, dtype)
+        # Prefix-cache checkpoints: the last rows (runner/states.py)
+        self.num_checkpoints = checkpoint_budget(config) if self.is_hybrid else 0
+        self.checkpoint_base = self.num_state_slots - self.num_checkpoints
         self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_bytes_per_block = kv_bytes_per_block(
             model_config, self.attn_layers, dtype, self.block_size
@@ -147,7 +153,8 @@ class ModelRunner:
             )
             self.graphs = DecodeGraphs(
                 *args,
-                shared_prefix=config.enable_prefix_caching,
+                # (cascade decode graphs with state inputs are not tried on a GPU yet)
+                shared_prefix=config.enable_prefix_caching and not self.is_hybrid,
                 max_chunk=self.max_graph_chunk,
                 state_scratch=self.state_scratch if self.is_hybrid else None,
             )
@@ -293,6 +300,8 @@ class ModelRunner:
         if self.is_hybrid:
             h.states = host_states(batch, self.state_scratch, h.spec)
         graphs = self._graphs_for(h)
+        if batch.state_restores:  # prefix hits: their checkpoints into their slots, first
+            self._copy_states([(self.checkpoint_base + c, s) for c, s in batch.state_restores])
         s = self._stage(h, graphs, prev)
         x = s.x
         # 2. The forward: a graph replay (it copies its own inputs), or eager.
@@ -314,6 +323,9 @@ class ModelRunner:
                 x.input_ids[dst] = prev.sampled[src]
             with forward_context(x.metadata):
                 hidden, all_logits = self.model(x.input_ids, x.positions), None
+        spec_states = h.states is not None and h.states.token_slots is not None
+        if batch.state_saves and not spec_states:  # (a verify step's slots: after commit)
+            self._save_states(batch)
         prompt = self._prompt_scores(h, x, hidden) if h.prompt_idx else None
         if not h.logits_idx:  # only non-final prefill chunks: no logits, nothing sampled
             if self.mtp is not None:
@@ -357,6 +369,8 @@ class ModelRunner:
             accepted = self.spec.accept(sampled, x.draft_next, x.seg_starts)
             if x.keep_states is not None:  # each row's state after its last accepted token
                 commit_token_states(self.states, x.metadata.state_slots, *x.keep_states, accepted)
+                if batch.state_saves:
+                    self._save_states(batch)
         last = self.graphs.last_sampled if self.graphs is not None else None
         if (
             not s.graphed
@@ -381,6 +395,16 @@ class ModelRunner:
             step.event = torch.cuda.Event()
             step.event.record()
         return step
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """(source row, destination row) copies of every DeltaNet layer's state, enqueued on
+        the device (the index lists travel through pinned memory: no host sync)."""
+        src, dst = zip(*pairs)
+        copy_states(self.states, to_device(src, self.device), to_device(dst, self.device))
+
+    def _save_states(self, batch: ScheduledBatch) -> None:
+        """Checkpoints of the states this step computed (rows whose chunk ends a block)."""
+        self._copy_states([(s, self.checkpoint_base + c) for s, c in batch.state_saves])
 
     def _stage(self, h: HostInputs, graphs, prev: PendingStep | None) -> Staged:
         """The step's device inputs: StepInputs (eager forward, speculative bookkeeping) or a

@@ -6,11 +6,13 @@ Slot layout (one row of every DeltaNet layer's conv window and recurrent matrix 
   [0, max_num_seqs)   the sequences' slots, handed out by core/state_pool.py
   max_num_seqs        scratch: CUDA-graph padding rows and warm-up steps read zeros and write here
   after it            speculative engines only: one slot per token a verify step keeps
+  checkpoint_base + c prefix caching: checkpoint c (core/state_pool.py), `checkpoint_budget` rows
 A speculative step (any row carrying drafts) runs every DeltaNet layer token by token and writes
 the state after each kept token to its own scratch slot, the sequences' slots only read; then
 `commit_token_states` copies, on the device, the state after each row's last accepted token (a
 row without drafts: its last token) into the row's slot. No host sync: the accepted counts stay
-on the device.
+on the device. Checkpoint saves and restores are device row copies too (`copy_states`),
+restores enqueued before the step's forward and saves after it.
 """
 
 from __future__ import annotations
@@ -53,13 +55,33 @@ def num_state_slots(
     return max_num_seqs + 1 + per_token
 
 
+def checkpoint_budget(config: EngineConfig) -> int:
+    """Checkpoint rows: `prefix_cache_state_budget` (None: max_num_seqs); none without
+    prefix caching."""
+    if not config.enable_prefix_caching:
+        return 0
+    budget = config.prefix_cache_state_budget
+    return config.max_num_seqs if budget is None else budget
+
+
 def state_pool_size(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(slots, bytes) of a model's state rows; (0, 0) for a model without DeltaNet layers."""
+    """(rows, bytes) of a model's state rows, checkpoints last; (0, 0) for a model without
+    DeltaNet layers."""
     if "linear_attention" not in mc.layer_types:
         return 0, 0
     k = config.num_speculative_tokens if config.speculative_method == "ngram" else None
     num = num_state_slots(config.max_num_seqs, k, config.max_num_batched_tokens)
+    num += checkpoint_budget(config)
     return num, num * state_bytes_per_slot(mc, dtype, getattr(torch, mc.ssm_state_dtype))
+
+
+def copy_states(
+    states: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Rows `src` of every DeltaNet layer's states into rows `dst` (device index tensors)."""
+    for conv, ssm in states:
+        conv.index_copy_(0, dst, conv.index_select(0, src))
+        ssm.index_copy_(0, dst, ssm.index_select(0, src))
 
 
 def allocate_state_rows(

@@ -1,0 +1,231 @@
+"""Prefix caching for hybrid models (Qwen3.5): a hit resumes only after a block with an exact
+recurrent-state checkpoint. Greedy tokens identical to transformers' with the cache on (tiny
+random checkpoints, fp32, CPU) for a shared system prompt with distinct questions and a second
+chat turn reusing the first's prompt and answer, under chunk budgets of 16 / 64 / unlimited and
+state budgets of 1 and many; `num_cached_tokens` equal to the clamped hit; the branch point
+saved by the first request that recomputes it; checkpoint slots' bookkeeping (StatePool unit
+tests and a random walk over admit / step / abort / preempt with invariants after each op).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from qwen3_5_helpers import hf_greedy, make_checkpoint
+
+from tinyserve import LLM, SamplingParams
+from tinyserve.core.state_pool import StatePool
+
+pytest.importorskip("transformers")
+
+BS = 4
+BASE_KW = dict(dtype="float32", device="cpu", block_size=BS, num_kv_blocks=96)
+SYSTEM, SUFFIX, MAX_NEW = 30, 9, 6  # 7 shared full blocks (28 tokens)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(path, transformers model, a system prompt, three questions)."""
+    path = tmp_path_factory.mktemp("lin_first_last")
+    hf = make_checkpoint(path, "lin_first_last", 0)
+    rng = random.Random(7)
+    system = [rng.randrange(hf.config.vocab_size) for _ in range(SYSTEM)]
+    questions = [[rng.randrange(hf.config.vocab_size) for _ in range(SUFFIX)] for _ in range(3)]
+    return str(path), hf, system, questions
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def serve(llm: LLM, prompt: list[int], max_new: int = MAX_NEW, *others) -> tuple[list[int], int]:
+    """A request (and `others` admitted before it, together) run to the end, invariants after
+    every step: its (tokens, cached tokens)."""
+    engine = llm.engine
+    for i, other in enumerate(others):
+        engine.add_request(f"o{i}", other, greedy(max_new))
+    engine.add_request("r", prompt, greedy(max_new))
+    tokens, cached = [], None
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.request_id == "r":
+                tokens += delta.outputs[0].token_ids
+                cached = delta.num_cached_tokens
+        engine.check_invariants()
+    return tokens, cached
+
+
+@pytest.mark.parametrize("budget,overlap", [(16, False), (16, True), (64, False), (None, False)])
+def test_shared_system_prompt(model, budget, overlap):
+    """Request 1 keeps states at its block-aligned chunk ends; request 2 matches the 7 shared
+    blocks, resumes after the deepest with a checkpoint (block 4 with 16-token chunks, else
+    none) and recomputes up to the branch point (28), saving a checkpoint there; request 3
+    resumes at 28. Also in the overlapped loop (saves keyed a step late, when the tokens are)."""
+    path, hf, system, questions = model
+    llm = LLM(path, **BASE_KW, max_num_batched_tokens=budget, async_scheduling=overlap)
+    got = [serve(llm, system + q) for q in questions]
+    want = [hf_greedy(hf, system + q, MAX_NEW)[SYSTEM + SUFFIX :] for q in questions]
+    assert [t for t, _ in got] == want
+    assert [c for _, c in got] == [0, 16 if budget == 16 else 0, 28]
+    states = llm.engine.scheduler.state_pool
+    assert states.num_checkpoint_hits == (2 if budget == 16 else 1)
+
+
+@pytest.mark.parametrize("state_budget", [1, None])
+def test_second_chat_turn(model, state_budget):
+    """Turn 2 = turn 1's prompt + answer + a new message: it resumes at the last block end
+    turn 1's decode saved (a state budget of 1 is enough: one conversation). A 5-token prompt
+    admitted first takes the slot turn 1 left (its final state), so turn 2's slot holds
+    nothing but the restored checkpoint."""
+    path, hf, system, questions = model
+    llm = LLM(path, **BASE_KW, max_num_batched_tokens=16, prefix_cache_state_budget=state_budget)
+    turn1 = system + questions[0]
+    answer, _ = serve(llm, turn1, 12)
+    turn2 = turn1 + answer + questions[1]
+    got, cached = serve(llm, turn2, MAX_NEW, questions[2][:5])
+    assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
+    assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
+    # Turn 1 computed KV for all but its last token: its last block end before that.
+    assert cached == (len(turn1) + len(answer) - 1) // BS * BS
+
+
+def test_no_checkpoints_no_hits(model):
+    """A state budget of 0: blocks still match, but no state is kept, so nothing is skipped."""
+    path, hf, system, questions = model
+    llm = LLM(path, **BASE_KW, prefix_cache_state_budget=0)
+    got = [serve(llm, system + q) for q in questions[:2]]
+    assert [c for _, c in got] == [0, 0]
+    assert got[1][0] == hf_greedy(hf, system + questions[1], MAX_NEW)[SYSTEM + SUFFIX :]
+
+
+def test_concurrent_requests_and_evictions(model):
+    """Many requests sharing the system prompt at once, a state budget of 2 and a KV pool small
+    enough to evict trie blocks (with their checkpoints) and preempt: every hit clamps to a
+    checkpoint still there, tokens stay transformers'."""
+    path, hf, system, questions = model
+    rng = random.Random(3)
+    prompts = [system[: rng.randrange(8, SYSTEM)] + q for q in questions * 2]
+    llm = LLM(
+        path,
+        **BASE_KW | dict(num_kv_blocks=24),
+        max_num_batched_tokens=16,
+        prefix_cache_state_budget=2,
+    )
+    engine = llm.engine
+    for round_ in range(2):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{round_}-{i}", p, greedy(MAX_NEW))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+            engine.check_invariants()
+        for i, p in enumerate(prompts):
+            assert tokens[f"{round_}-{i}"] == hf_greedy(hf, p, MAX_NEW)[len(p) :]
+    states = engine.scheduler.state_pool
+    assert states.num_checkpoint_hits > 0 and states.num_checkpoint_evictions > 0
+
+
+# -- checkpoint bookkeeping ---------------------------------------------------------------------
+
+
+def test_checkpoint_lifecycle():
+    pool = StatePool(2, 2)
+    pool.allocate(1)
+    a = pool.take_checkpoint(1, 8)
+    b = pool.take_checkpoint(1, 12)
+    assert pool.take_checkpoint(1, 16) is None  # both pending: none to evict
+    pool.attach(1, a, block_id=5)
+    pool.attach(1, b, block_id=7)
+    assert pool.restore_point([3, 5, 6]) == 2 and pool.restore_point([3, 4]) == 0
+    pool.check_invariants([1], {5, 7})
+    pool.touch(5)  # 7 is now the least recently used
+    assert pool.take_checkpoint(1, 20) == b and 7 not in pool.checkpoint_of
+    pool.drop_block(5)  # its trie node was evicted
+    assert pool.restore_point([3, 5]) == 0
+    pool.free(1)  # the pending save goes back
+    pool.check_invariants([], set())
+    assert len(pool.free_checkpoints) == 2
+
+
+def test_duplicate_save_is_freed_and_decode_saves_rotate():
+    pool = StatePool(2, 3)
+    pool.allocate(1)
+    pool.allocate(2)
+    a = pool.take_checkpoint(1, 4)
+    b = pool.take_checkpoint(2, 4)
+    pool.attach(1, a, 9)
+    pool.attach(2, b, 9)  # the same prefix, saved twice: one kept
+    assert pool.checkpoint_of == {9: a} and b in pool.free_checkpoints
+    c = pool.take_checkpoint(1, 8, decode=True)
+    pool.attach(1, c, 10)
+    assert pool.take_checkpoint(1, 12, decode=True) == c  # its own last decode save, reused
+    assert 10 not in pool.checkpoint_of
+    pool.check_invariants([1, 2], {9, 10})
+
+
+def test_random_ops_keep_invariants(model):
+    """admit / step / abort / preempt in random order, engine invariants (block pool, trie,
+    runtime and checkpoint slots) after each op; every request's tokens stay transformers'."""
+    path, hf, system, questions = model
+    rng = random.Random(11)
+    llm = LLM(
+        path,
+        **BASE_KW | dict(num_kv_blocks=32),
+        max_num_batched_tokens=16,
+        prefix_cache_state_budget=3,
+        max_num_seqs=4,
+    )
+    engine, sched = llm.engine, llm.engine.scheduler
+    prompts = [
+        system[: rng.randrange(4, SYSTEM)] + q[: rng.randrange(1, SUFFIX)] for q in questions
+    ]
+    prompts += [p[: rng.randrange(2, len(p))] for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    aborted, n = set(), 0
+    for _ in range(120):
+        op = rng.random()
+        if op < 0.25 and n < 16:
+            engine.add_request(str(n), prompts[n % len(prompts)], greedy(MAX_NEW))
+            tokens[str(n)] = []
+            n += 1
+        elif op < 0.32 and tokens:
+            rid = rng.choice(sorted(tokens))
+            engine.abort(rid)
+            aborted.add(rid)
+        elif op < 0.40 and sched.running and not sched.waiting:
+            sched._batch = []
+            sched._preempt(sched.running[-1])
+        else:
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.outputs[0].token_ids
+        engine.check_invariants()
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.outputs[0].token_ids
+        engine.check_invariants()
+    for rid, got in tokens.items():
+        p = prompts[int(rid) % len(prompts)]
+        want = hf_greedy(hf, p, MAX_NEW)[len(p) :]
+        assert got == (want[: len(got)] if rid in aborted else want), rid
+    assert sched.state_pool.num_checkpoint_hits > 0
+
+
+def test_ngram_speculation_with_hits(tmp_path):
+    """Verify steps (rows with drafts save no state; rows without, after the accepted state is
+    committed): a 12-token vocabulary repeats n-grams, so drafts are accepted and rejected."""
+    hf = make_checkpoint(tmp_path, "small_vocab", 5)
+    rng = random.Random(5)
+    system = [rng.randrange(12) for _ in range(SYSTEM)]
+    prompts = [system + [rng.randrange(12) for _ in range(SUFFIX)] for _ in range(3)]
+    llm = LLM(
+        str(tmp_path),
+        **BASE_KW,
+        max_num_batched_tokens=16,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    got = [serve(llm, p, 16) for p in prompts]
+    assert [t for t, _ in got] == [hf_greedy(hf, p, 16)[len(p) :] for p in prompts]
+    assert got[2][1] == 28
