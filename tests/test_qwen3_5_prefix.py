@@ -229,3 +229,31 @@ def test_ngram_speculation_with_hits(tmp_path):
     got = [serve(llm, p, 16) for p in prompts]
     assert [t for t, _ in got] == [hf_greedy(hf, p, 16)[len(p) :] for p in prompts]
     assert got[2][1] == 28
+
+
+def test_checkpoint_metrics_on_the_server(model):
+    """/metrics of a hybrid model: the checkpoint counters and the hit-rate gauge move with a hit
+    (two prompts sharing the system prompt, the second resumes from a checkpoint)."""
+    import asyncio
+    import re
+
+    from test_server import serving
+
+    path, _, system, questions = model
+    llm = LLM(path, **BASE_KW, max_num_batched_tokens=16)
+
+    def series(text: str, name: str) -> float:
+        return float(re.search(rf"^tinyserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+    async def go():
+        async with serving(llm.engine) as client:
+            for q in questions[:2]:
+                body = {"prompt": system + q, "max_tokens": 2, "ignore_eos": True}
+                assert (await client.post("/v1/completions", json=body)).status == 200
+            return await (await client.get("/metrics")).text()
+
+    text = asyncio.run(go())
+    assert series(text, "prefix_cache_state_checkpoint_saves_total") >= 1
+    assert series(text, "prefix_cache_state_checkpoint_hits_total") == 1
+    assert 0 < series(text, "prefix_cache_hit_rate") < 1
+    assert series(text, "prefix_cache_state_checkpoints_ready") >= 1

@@ -85,6 +85,13 @@ def engine_options(f):
             show_default=True,
             help="Reuse the KV of committed prompt/answer prefixes.",
         ),
+        click.option(
+            "--prefix-cache-state-budget",
+            type=int,
+            default=None,
+            help="Hybrid models (Qwen3.5): recurrent-state checkpoints kept for prefix hits "
+            "(default: max_num_seqs; 0: none, so no hits).",
+        ),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
         click.option(
             "--async-scheduling/--no-async-scheduling",
@@ -133,7 +140,8 @@ def engine_options(f):
 
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
-    "gpu_memory_utilization load_format seed device enable_prefix_caching enforce_eager "
+    "gpu_memory_utilization load_format seed device enable_prefix_caching "
+    "prefix_cache_state_budget enforce_eager "
     "async_scheduling speculative_method num_speculative_tokens speculative_token_map "
     "prefill_lane_tokens prefill_lane_reserve_sms"
 ).split()

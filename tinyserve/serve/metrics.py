@@ -117,6 +117,35 @@ class _SpecCollector:
         yield g
 
 
+class _CheckpointCollector:
+    """Hybrid models: the recurrent-state checkpoints behind their prefix hits, read from the
+    state pool at scrape time (core/state_pool.py; the counters only grow)."""
+
+    COUNTERS = (
+        ("saves", "State checkpoints saved (block ends, branch points)."),
+        ("hits", "Prefix hits resumed from a state checkpoint."),
+        ("evictions", "State checkpoints evicted (LRU, or with their KV block)."),
+    )
+
+    def __init__(self, state_pool, values: list[str]) -> None:
+        self.pool, self.values = state_pool, values
+
+    def collect(self):
+        for name, doc in self.COUNTERS:
+            c = CounterMetricFamily(
+                f"tinyserve:prefix_cache_state_checkpoint_{name}", doc, labels=["model_name"]
+            )
+            c.add_metric(self.values, getattr(self.pool, f"num_checkpoint_{name}"))
+            yield c
+        g = GaugeMetricFamily(
+            "tinyserve:prefix_cache_state_checkpoints_ready",
+            "Checkpoint slots holding a ready state.",
+            labels=["model_name"],
+        )
+        g.add_metric(self.values, self.pool.num_checkpoints - len(self.pool.free_checkpoints))
+        yield g
+
+
 @dataclass(slots=True)
 class SeqTimes:
     """Timestamps of one engine request, for TTFT / inter-token / end-to-end latency."""
@@ -151,6 +180,7 @@ class ServerMetrics:
         # Queries and hits count prompt tokens, as vLLM's prefix_cache_{queries,hits}.
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
+        self._prefix_tokens = (0, 0)  # (queried, hit): the hit-rate gauge reads both at once
         # Gauges read the engine's state from the loop thread while the worker thread steps:
         # len() of a list / deque is atomic under the GIL, a scrape may be one step stale.
         sched, pool = engine.scheduler, engine.pool
@@ -160,6 +190,13 @@ class ServerMetrics:
         gauge("num_preemptions", "Preemptions so far (recompute).", lambda: sched.num_preemptions)
         if engine.config.speculative_method is not None:
             reg.register(_SpecCollector(engine, values))
+        if getattr(sched, "state_pool", None) is not None:
+            reg.register(_CheckpointCollector(sched.state_pool, values))
+        gauge(  # vLLM's gauge: hits / queries, over prompt tokens
+            "prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / prompt tokens looked up.",
+            lambda: self._hit_rate(),
+        )
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         ).labels(*values)
@@ -193,6 +230,12 @@ class ServerMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prefix_queries.inc(num_prompt_tokens)
         self.prefix_hits.inc(num_cached_tokens)
+        queried, hit = self._prefix_tokens
+        self._prefix_tokens = (queried + num_prompt_tokens, hit + num_cached_tokens)
+
+    def _hit_rate(self) -> float:
+        queried, hit = self._prefix_tokens
+        return hit / queried if queried else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
