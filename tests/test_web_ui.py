@@ -138,6 +138,7 @@ def test_ui_url():
 # -- in a real browser -----------------------------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+KEY_STORAGE = "tinyserve.key"  # app.js's sessionStorage key
 
 
 def requests_by_outcome(url: str) -> dict[str, float]:
@@ -146,12 +147,47 @@ def requests_by_outcome(url: str) -> dict[str, float]:
     return {outcome: float(n) for outcome, n in found}
 
 
-def test_chat_in_headless_chromium(tmp_path, smollm2_path):
+def _playwright():
+    """Playwright's sync API, driving the system chromium; skips the test without them."""
     if CHROMIUM is None:
         pytest.skip("no chromium on PATH (Debian: apt-get install chromium)")
-    playwright = pytest.importorskip(
+    return pytest.importorskip(
         "playwright.sync_api", reason="needs playwright (pip install playwright; no browsers)"
     )
+
+
+def test_api_key_asked_and_kept_for_the_tab(tmp_path, smollm2_path):
+    """With --api-key the page loads, asks for the key, keeps it in sessionStorage (never
+    localStorage) and sends it: the model's name arrives and an answer streams."""
+    playwright = _playwright()
+    srv = Server(tmp_path, "--model", smollm2_path, "--api-key", KEY)
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM)
+            try:
+                page = browser.new_page()
+                page.goto(srv.url + "/")
+                page.wait_for_selector("#key-dialog[open]")
+                page.fill("#key-dialog input[name=key]", KEY)
+                page.click("#key-dialog button[value=save]")
+                named = "() => document.getElementById('model').textContent.length > 9"
+                page.wait_for_function(named)  # /v1/models answered: the key was sent
+                assert page.evaluate(f"sessionStorage.getItem('{KEY_STORAGE}')") == KEY
+                stored = page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
+                assert KEY not in stored
+                settings(page, temperature="0", max_tokens="4", seed="1")
+                page.fill("#prompt", "Hi")
+                page.press("#prompt", "Enter")
+                page.wait_for_selector(".assistant .stats:has-text('tokens')", timeout=60_000)
+            finally:
+                browser.close()
+    finally:
+        srv.kill()
+    assert "Traceback" not in srv.log()
+
+
+def test_chat_in_headless_chromium(tmp_path, smollm2_path):
+    playwright = _playwright()
     srv = Server(tmp_path, "--model", smollm2_path)
     try:
         banner = [srv.proc.stdout.readline() for _ in range(2)]  # the model directory, the page
