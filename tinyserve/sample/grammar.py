@@ -333,7 +333,7 @@ class StepBitmask:
         self, seqs: Sequence[Seq], state_of: Callable[[Seq], GrammarState | int | None]
     ) -> TokenBitmask | None:
         """The masks of this step's sampling rows (`seqs` in batch order, one row per sequence
-        plus one per draft), or None when no row is constrained or no mask restricts anything.
+        plus one per draft), or None when no row is constrained.
         `state_of` (asked of sequences with structured outputs or reasoning): a sequence's
         grammar, or the one token it must emit (a forced row, which carries no drafts), or
         None (unconstrained this step)."""
@@ -371,8 +371,8 @@ class StepBitmask:
             at += 1 + len(drafts)
         if batch:
             self._batch_fill(batch, buf, batch_rows)
-            # A row masks nothing when every bit is set (-1); then the sampler can skip it all.
-            masks = masks or bool((buf[batch_rows] != -1).any())
+            # A grammar row restricts something in practice: no per-step scan of its bits.
+            masks = True
         return TokenBitmask(rows, buf[:num]) if masks else None
 
     def _batch_fill(self, matchers: list, buf: Tensor, rows: list[int]) -> None:
