@@ -25,7 +25,8 @@ def _hf_model(path: str, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
-def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int, total: bool = False) -> float:
+    """transformers' generated tokens per second (prompt tokens too with `total`)."""
     ids = torch.randint(100, 1000, (batch, prompt_len), device="cuda")
     kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
     with torch.inference_mode():
@@ -34,7 +35,7 @@ def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
         t0 = time.perf_counter()
         model.generate(ids, **kw)
         torch.cuda.synchronize()
-    return batch * new_tokens / (time.perf_counter() - t0)
+    return batch * (new_tokens + prompt_len * total) / (time.perf_counter() - t0)
 
 
 def _time_replays(graph, n: int = 200) -> float:
@@ -167,6 +168,18 @@ def bench_e2e(args) -> dict:
                 r["transformers_tok_per_s"] = _hf_tok_per_s(hf, 1, 32, 256)
             elif r["workload"] == "batch64":
                 r["transformers_tok_per_s"] = _hf_tok_per_s(hf, 64, 512, 256)
+            elif r["workload"] == "prefill-heavy":  # prompt tokens dominate: compare totals
+                try:
+                    hf_total = _hf_tok_per_s(hf, 32, 4096, 32, total=True)
+                except torch.OutOfMemoryError:  # transformers pads and keeps whole-batch activations
+                    r["transformers_tok_per_s"] = "out of memory"
+                    torch.cuda.empty_cache()
+                    print(r, flush=True)
+                    continue
+                r["transformers_total_tok_per_s"] = hf_total
+                r["ratio_vs_transformers"] = r["total_tok_per_s"] / hf_total
+                print(r, flush=True)
+                continue
             else:
                 continue
             r["ratio_vs_transformers"] = r["out_tok_per_s"] / r["transformers_tok_per_s"]
