@@ -355,3 +355,29 @@ def test_chunked_prefill_and_prefix_cache_hit(smollm2_path, smollm2_llm):
     assert second.num_cached_tokens > 64  # a prefix-cache hit
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == ref.token_ids
     llm.engine.check_invariants()
+
+
+def test_overlapped_loop_equals_synchronous(smollm2_path, smollm2_llm, monkeypatch):
+    """The overlapped loop keeps constrained rows (their matchers advance over the step in
+    flight's tokens while the next forward runs): the same tokens as the synchronous loop, for
+    greedy and seeded rows, grammars that end early, and unconstrained rows beside them."""
+    prompts = ["Call me at", "Describe a person as JSON:", "Answer yes or no:", "List colors:"]
+    ps = [
+        params(SO(regex=PHONE)),
+        params(SO(json=PERSON), temperature=1.0, seed=7, max_tokens=60),
+        params(SO(choice=["yes", "no"]), temperature=1.0, seed=3),
+        params(None, max_tokens=12, ignore_eos=True),
+    ]
+    ref = [o.outputs[0] for o in gen(smollm2_llm, prompts, ps)]
+    llm = LLM(smollm2_path, dtype="float32", device="cpu", seed=0, async_scheduling=True)
+    engine = llm.engine
+    early = []
+    real = engine._advance_early
+    monkeypatch.setattr(engine, "_advance_early", lambda *a: early.append(1) or real(*a))
+    outs = [o.outputs[0] for o in gen(llm, prompts, ps)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+    assert re.fullmatch(PHONE, outs[0].text) and outs[2].text in ("yes", "no")
+    assert matches_schema(json.loads(outs[1].text), PERSON)
+    assert len(early) > 10  # the overlapped loop ran them
+    engine.check_invariants()

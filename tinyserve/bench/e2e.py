@@ -25,7 +25,9 @@ def _hf_model(path: str, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
-def _hf_tok_per_s(model, batch: int, prompt_len: int, new_tokens: int, total: bool = False) -> float:
+def _hf_tok_per_s(
+    model, batch: int, prompt_len: int, new_tokens: int, total: bool = False
+) -> float:
     """transformers' generated tokens per second (prompt tokens too with `total`)."""
     ids = torch.randint(100, 1000, (batch, prompt_len), device="cuda")
     kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
@@ -171,7 +173,7 @@ def bench_e2e(args) -> dict:
             elif r["workload"] == "prefill-heavy":  # prompt tokens dominate: compare totals
                 try:
                     hf_total = _hf_tok_per_s(hf, 32, 4096, 32, total=True)
-                except torch.OutOfMemoryError:  # transformers pads and keeps whole-batch activations
+                except torch.OutOfMemoryError:  # it keeps whole-batch activations
                     r["transformers_tok_per_s"] = "out of memory"
                     torch.cuda.empty_cache()
                     print(r, flush=True)

@@ -158,6 +158,7 @@ class LLMEngine:
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
         self._num_sync_requests = 0  # requests the overlapped loop cannot run, kept by step()
+        self._num_grammars = 0  # requests with structured outputs, kept by step()
         # Sequences whose reasoning budget the steps in flight could spend: the end ids they
         # must then emit are host decisions, so the overlapped loop waits (`_may_sync`).
         self._num_sync_seqs = 0
@@ -281,6 +282,7 @@ class LLMEngine:
             req = self._new.popleft()
             self.requests[req.request_id] = req
             self._num_sync_requests += self._needs_sync(req.params)
+            self._num_grammars += req.params.structured_outputs is not None
             for r in req.reasoning:
                 self._may_sync(r)
             for seq in req.seqs:
@@ -319,6 +321,7 @@ class LLMEngine:
         for rid in [rid for rid, d in deltas.items() if d.finished]:
             req = self.requests.pop(rid)
             self._num_sync_requests -= self._needs_sync(req.params)
+            self._num_grammars -= req.params.structured_outputs is not None
             self._num_sync_seqs -= sum(r.needs_sync for r in req.reasoning)
         return list(deltas.values())
 
@@ -329,7 +332,12 @@ class LLMEngine:
             self.runner.lane.launch(seq.token_ids[start : start + num], start, seq.block_table)
 
     def _needs_sync(self, p: SamplingParams) -> bool:
-        grammar = p.structured_outputs is not None  # masks need the matchers advanced
+        # A grammar's mask needs its matcher advanced over the last step's token: the overlapped
+        # loop does that while the next forward runs (`_advance_early`), for one token a step
+        # of a plain answer; drafts and a reasoning phase still take the synchronous loop.
+        grammar = p.structured_outputs is not None and (
+            self.spec is not None or p.reasoning is not None
+        )
         return p.needs_token_values or grammar or (self.spec is not None and p.needs_output_count)
 
     def _may_sync(self, r: ReasoningState) -> None:
@@ -358,16 +366,19 @@ class LLMEngine:
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
         drafted = [len(seq.draft_ids) for seq in batch.seqs]
-        prev = self._in_flight.pending if overlap and self._in_flight else None
+        last = self._in_flight if overlap else None
+        prev = last.pending if last is not None else None
         bitmask = None
         seqs = [batch.seqs[i] for i in sampled]
-        if (self._num_sync_requests or self._num_sync_seqs) and any(
+        if (self._num_grammars or self._num_sync_requests or self._num_sync_seqs) and any(
             s.params.structured_outputs or s.params.reasoning for s in seqs
         ):
-            # Grammar masks (the last step's tokens advanced the matchers) and forced end ids:
-            # the runner fills them once the forward is enqueued, so the host works while the
-            # device runs it.
+            # Grammar masks and forced end ids: the runner fills them once the forward is
+            # enqueued, so the host works while the device runs it (overlapped: after the
+            # matchers took the tokens of the step before, which that forward does not need).
             def bitmask():
+                if last is not None:
+                    self._advance_early(last, seqs)
                 return self._bitmask.fill(seqs, self._constraint)
 
         pending = self.runner.launch(batch, rows, prev, bitmask)
@@ -446,13 +457,26 @@ class LLMEngine:
                     seq.draft_ids = req.grammars[seq.index].valid_drafts(seq.draft_ids)
             self._delta(deltas, self.requests[seq.request_id], seq, *delta)
 
+    def _advance_early(self, last: InFlight, seqs: list[Sequence]) -> None:
+        """Advance the matchers of `seqs` over the tokens `last` sampled for them (still
+        PLACEHOLDER on the host): waits for `last`, whose post-processing then reads the
+        answers (`GrammarState.finishes_on`)."""
+        outs = None
+        for seq in seqs:
+            req = self.requests[seq.request_id]
+            if req.grammars and seq.token_ids[-1] == PLACEHOLDER:
+                outs = outs or last.pending.result()
+                req.grammars[seq.index].advance_early(outs[seq.pending_row].tokens[0].token_id)
+
     def _constraint(self, seq: Sequence) -> GrammarState | int | None:
         """What masks a sequence's next token: the end id it must emit, else its grammar once
-        the reasoning (if any) ended, else nothing."""
+        the reasoning (if any) ended and while it runs, else nothing."""
         req = self.requests[seq.request_id]
         if req.reasoning and not (r := req.reasoning[seq.index]).is_ended:
             return r.forced_token
-        return req.grammars[seq.index] if req.grammars else None
+        if req.grammars and not (g := req.grammars[seq.index]).done:
+            return g
+        return None  # (a grammar that ended on the step in flight: its row's token is dropped)
 
     def _sampling_rows(self, seq: Sequence) -> list[SamplingRow]:
         """One row per position sampled: the last token's, then one after each draft (the RNG

@@ -76,6 +76,7 @@ class PendingStep:
         self.host: list[torch.Tensor | None] = []
         self.prompt: PromptScores | None = None
         self.event: torch.cuda.Event | None = None
+        self._outs: list[SeqOutput] | None = None
 
     def num_accepted(self) -> torch.Tensor:
         """(S,) drafts each sampling sequence accepted, on the device (zeros: no drafts)."""
@@ -90,9 +91,12 @@ class PendingStep:
         return self.prompt.entries()
 
     def result(self) -> list[SeqOutput]:
-        """Per sampling sequence: its accepted drafts and token, and the MTP drafts."""
+        """Per sampling sequence: its accepted drafts and token, and the MTP drafts (read once:
+        the engine may ask early, for grammar matchers, and again to post-process)."""
         if not self.seg_starts:
             return []
+        if self._outs is not None:
+            return self._outs
         if self.event is not None:
             # NOTE: the one host sync of a step, in the engine's worker thread (never the loop).
             self.event.synchronize()
@@ -113,4 +117,5 @@ class PendingStep:
                     out.top_logprobs = list(zip(top_ids[r][:k], top_lps[r][:k])) if top_ids else []
                 row_outs.append(out)
             outs.append(SeqOutput(row_outs, drafted))
+        self._outs = outs
         return outs

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -153,19 +153,37 @@ class GrammarCompiler:
 
 class GrammarState:
     """One sequence's position in its grammar (n > 1: one each). Touched by the engine's step
-    thread only."""
+    thread only.
 
-    __slots__ = ("matcher",)
+    The overlapped loop advances a matcher before the step's tokens are post-processed
+    (`advance_early`, to fill the next step's mask while its forward runs); `finishes_on` then
+    takes that token's recorded answer instead of advancing twice."""
+
+    __slots__ = ("matcher", "done", "_early")
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
+        self.done = False  # the last token ended the grammar: no row to mask after it
+        self._early: deque[tuple[int, bool]] = deque()  # (token, finishes) advanced early
+
+    def advance_early(self, token: int) -> None:
+        """Advance over a sampled token before `finishes_on` sees it."""
+        self._early.append((token, self._advance(token)))
 
     def finishes_on(self, token: int) -> bool:
         """Advance over a verified token; True when the sequence must stop there: the grammar
         accepted a stop token (it is complete), or rejected the token, which only happens
         when every allowed token was masked by something else (min_tokens on EOS)."""
+        if self._early:
+            early, finishes = self._early.popleft()
+            assert early == token, "advanced early over another token"
+            return finishes
+        return self._advance(token)
+
+    def _advance(self, token: int) -> bool:
         m = self.matcher
-        return not m.accept_token(token) or m.is_terminated()
+        self.done = not m.accept_token(token) or m.is_terminated()
+        return self.done
 
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar allows after the verified tokens (a
