@@ -18,6 +18,7 @@ from tinyserve.bench.common import SHAPES, git_commit
 from tinyserve.bench.cpu import bench_cpu
 from tinyserve.bench.e2e import bench_e2e
 from tinyserve.bench.kernels import bench_kernels
+from tinyserve.bench.memory import bench_memory
 from tinyserve.bench.pool import bench_pool
 from tinyserve.bench.prefix import bench_prefix
 from tinyserve.bench.serve import bench_serve
@@ -45,6 +46,8 @@ Workloads:
   serve  an online client against a running `tinyserve run` (--url): request-rate and
         concurrency sweeps over random or fixed lengths; TTFT, TPOT, ITL (median, p99) and
         throughput as vLLM defines them, and /health latency probed during the run.
+  memory  (CUDA) the KV cache sized for each --utilizations value (gpu_memory_utilization) and
+        the device memory the process then holds.
   structured  a JSON-schema constraint's cost on decode throughput per --batches value: the
         same prompts and output lengths with and without the schema (--temperatures; a named
         shape needs --tokenizer DIR).
@@ -65,6 +68,7 @@ WORKLOADS = {
     "spec": bench_spec,
     "pool": bench_pool,
     "structured": bench_structured,
+    "memory": bench_memory,
 }
 
 
@@ -100,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[0.0, 1.0],
         help="structured: sampling temperatures to run",
+    )
+    p.add_argument(
+        "--utilizations",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.9],
+        help="memory: gpu_memory_utilization values",
     )
     p.add_argument("--tokenizer", default=None, help="structured: tokenizer dir for a shape")
     p.add_argument(

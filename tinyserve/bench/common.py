@@ -13,6 +13,9 @@ import torch
 
 
 def git_commit() -> str:
+    """HEAD's short hash, or $TINYSERVE_COMMIT (a tree copied without .git: the GPU machine's)."""
+    if commit := os.environ.get("TINYSERVE_COMMIT"):
+        return commit
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

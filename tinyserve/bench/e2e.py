@@ -104,9 +104,9 @@ def bench_e2e(args) -> dict:
     # The result says whether this run had a prefill lane: building one runs torch kernels a
     # fresh process has not run yet, which slows batch-1 decode by a few percent (BENCHMARKS.md,
     # GPU end to end).
-    lane = llm.engine.runner.lane
-    res["prefill_lane_tokens"] = lane.chunk if lane is not None else 0
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    runner = llm.engine.runner  # (no local may outlive `del llm`: it would keep the KV pool)
+    res["prefill_lane_tokens"] = runner.lane.chunk if runner.lane is not None else 0
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
 
@@ -140,9 +140,8 @@ def bench_e2e(args) -> dict:
             # batch-1 graph alone (the rest of a decode step runs outside it), per split count
             # (the run's last context, 288 keys, in each; steps pick 1-4 splits as it grows).
             r["first_token_ms"] = _first_token_ms(llm, ids(32))
-            graphs = llm.engine.runner.graphs
-            if graphs is not None:
-                r["graph_replay_ms"] = _batch1_replay_ms(graphs)
+            if runner.graphs is not None:
+                r["graph_replay_ms"] = _batch1_replay_ms(runner.graphs)
             keys = ("first_token_ms", "graph_replay_ms")
             print({k: r.get(k) for k in keys}, flush=True)
         elif name == "nano-vllm":
@@ -158,7 +157,7 @@ def bench_e2e(args) -> dict:
             for b in args.batches:
                 row("decode", [ids(32) for _ in range(b)], [args.new_tokens] * b, batch=b)
     if args.compare_hf:
-        del llm
+        del llm, runner
         import gc
 
         gc.collect()

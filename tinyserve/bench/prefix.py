@@ -19,6 +19,8 @@ def bench_prefix(args) -> dict:
     request of the second wave, i.e. the decode time of the first wave, whatever the cache."""
     import random
 
+    import torch
+
     from tinyserve import LLM, SamplingParams
 
     path, load_format = resolve_model(args.model)
@@ -29,7 +31,8 @@ def bench_prefix(args) -> dict:
         n_streams, long_len = 8, 4096
     long_len = args.long_len or long_len
     rng = random.Random(0)
-    res = {"rows": []}
+    cuda = torch.cuda.is_available()
+    res = {"rows": [], "device": torch.cuda.get_device_name() if cuda else "cpu"}
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     vocab = 49152 if args.model not in SHAPES else SHAPES[args.model]["vocab_size"]
 
@@ -77,7 +80,7 @@ def bench_prefix(args) -> dict:
         warm = SamplingParams(temperature=0, max_tokens=4)
         drive(engine, [(0.0, f"warm{i}{tag}", head + rand_ids(q_len), warm) for i in range(3)])
         as_served(engine)
-        res["device"], res["kv_capacity_tokens"] = engine.config.device, engine.kv_capacity_tokens
+        res["kv_capacity_tokens"] = engine.kv_capacity_tokens
         for name, reqs in ((name, w[name]) for w in sets for name in w):
             row, trie = rows[name], engine.pool.trie
             q0, h0 = (trie.num_query_tokens, trie.num_hit_tokens) if trie else (0, 0)

@@ -5,7 +5,10 @@ sequence early), so the two runs do the same work and their ratio is the constra
 
 A grammar needs a tokenizer: --model is an HF directory with one, or a named shape (dummy
 weights) with --tokenizer DIR (tokenizer.json + tokenizer_config.json; ids past its vocabulary
-are never allowed). Runs on CUDA, or on the CPU for a smoke run."""
+are never allowed). For the Qwen shapes, `python -m tinyserve.bench.qwen_vocab` writes one with
+Qwen's own 151,643-token vocabulary: the mask fill's cost depends on the vocabulary, so a
+smaller one padded to the logits' width misstates it. Runs on CUDA, or on the CPU for a smoke
+run."""
 
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class _FillTimer:
 
     def __init__(self, engine) -> None:
         self.seconds, self.calls = 0.0, 0
-        real = engine._bitmask.fill
+        real = engine.constraints.bitmask.fill
 
         def fill(*a, **kw):
             t0 = time.perf_counter()
@@ -55,7 +58,7 @@ class _FillTimer:
             self.calls += 1
             return out
 
-        engine._bitmask.fill = fill
+        engine.constraints.bitmask.fill = fill
 
 
 def _timed(llm, prompts, params, device) -> tuple[float, list[int]]:
