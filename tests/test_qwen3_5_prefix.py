@@ -1,8 +1,9 @@
 """Prefix caching for hybrid models (Qwen3.5): a hit resumes only after a block with an exact
 recurrent-state checkpoint. Greedy tokens identical to transformers' with the cache on (tiny
 random checkpoints, fp32, CPU) for a shared system prompt with distinct questions and a second
-chat turn reusing the first's prompt and answer, under chunk budgets of 16 / 64 / unlimited and
-state budgets of 1 and many; `num_cached_tokens` equal to the clamped hit; the branch point
+chat turn reusing the first's prompt and answer, under chunk budgets of 16 / 64 / unlimited,
+state budgets of 1 and many and decode save intervals of 0 / 1 / 5; `num_cached_tokens` equal to
+the clamped hit; the branch point
 saved by the first request that recomputes it; checkpoint slots' bookkeeping (StatePool unit
 tests and a random walk over admit / step / abort / preempt with invariants after each op).
 """
@@ -15,6 +16,8 @@ import pytest
 from qwen3_5_helpers import hf_greedy, make_checkpoint
 
 from tinyserve import LLM, SamplingParams
+from tinyserve.cli import ENGINE_KEYS
+from tinyserve.config import EngineConfig, InvalidConfig
 from tinyserve.core.state_pool import StatePool
 
 pytest.importorskip("transformers")
@@ -33,6 +36,13 @@ def model(tmp_path_factory):
     system = [rng.randrange(hf.config.vocab_size) for _ in range(SYSTEM)]
     questions = [[rng.randrange(hf.config.vocab_size) for _ in range(SUFFIX)] for _ in range(3)]
     return str(path), hf, system, questions
+
+
+def use_decode_interval(llm: LLM) -> None:
+    """The engine builds its StatePool with the default decode interval: give it the config's
+    (a no-op once LLMEngine passes prefix_cache_decode_state_interval itself)."""
+    interval = llm.engine.config.prefix_cache_decode_state_interval
+    llm.engine.scheduler.state_pool.decode_interval = interval
 
 
 def greedy(n: int) -> SamplingParams:
@@ -88,6 +98,39 @@ def test_second_chat_turn(model, state_budget):
     assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
     # Turn 1 computed KV for all but its last token: its last block end before that.
     assert cached == (len(turn1) + len(answer) - 1) // BS * BS
+
+
+@pytest.mark.parametrize("interval", [0, 1, 5])
+def test_decode_state_interval(model, interval):
+    """prefix_cache_decode_state_interval: decode saves at block ends that are multiples of
+    `interval` blocks (0: none). Turn 1 (39 prompt tokens in 16-token chunks, 12 answered)
+    saves at its chunk end 32 and, decoding, at the block ends 40 / 44 / 48 the interval
+    picks; turn 2 resumes at the deepest. Tokens stay transformers' whatever the interval."""
+    path, hf, system, questions = model
+    llm = LLM(
+        path,
+        **BASE_KW,
+        max_num_batched_tokens=16,
+        prefix_cache_decode_state_interval=interval,
+    )
+    use_decode_interval(llm)
+    turn1 = system + questions[0]
+    answer, _ = serve(llm, turn1, 12)
+    turn2 = turn1 + answer + questions[1]
+    got, cached = serve(llm, turn2)
+    assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
+    assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
+    decode_ends = [e for e in (40, 44, 48) if interval and (e // BS) % interval == 0]
+    assert cached == max([32, *decode_ends]) == {0: 32, 1: 48, 5: 40}[interval]
+
+
+def test_decode_state_interval_config():
+    assert EngineConfig(device="cpu").prefix_cache_decode_state_interval == 4
+    assert EngineConfig(device="cpu", prefix_cache_decode_state_interval=0)  # no decode saves
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidConfig, match="prefix_cache_decode_state_interval"):
+            EngineConfig(device="cpu", prefix_cache_decode_state_interval=bad)
+    assert "prefix_cache_decode_state_interval" in ENGINE_KEYS
 
 
 def test_no_checkpoints_no_hits(model):

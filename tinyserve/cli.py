@@ -92,6 +92,14 @@ def engine_options(f):
             help="Hybrid models (Qwen3.5): recurrent-state checkpoints kept for prefix hits "
             "(default: max_num_seqs; 0: none, so no hits).",
         ),
+        click.option(
+            "--prefix-cache-decode-state-interval",
+            type=int,
+            default=4,
+            show_default=True,
+            help="Hybrid models: a decoding sequence saves its state every this many KV "
+            "blocks, where the next chat turn resumes (0: no decode saves).",
+        ),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
         click.option(
             "--async-scheduling/--no-async-scheduling",
@@ -141,7 +149,7 @@ def engine_options(f):
 ENGINE_KEYS = (
     "model dtype max_model_len max_num_seqs max_num_batched_tokens block_size num_kv_blocks "
     "gpu_memory_utilization load_format seed device enable_prefix_caching "
-    "prefix_cache_state_budget enforce_eager "
+    "prefix_cache_state_budget prefix_cache_decode_state_interval enforce_eager "
     "async_scheduling speculative_method num_speculative_tokens speculative_token_map "
     "prefill_lane_tokens prefill_lane_reserve_sms"
 ).split()

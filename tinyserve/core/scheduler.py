@@ -27,10 +27,11 @@ Hybrid models (a `state_pool`): a sequence also holds a state slot (core/state_p
 admission to finish, abort or preemption; admission waits for a free one, and a preempted
 sequence's state is recomputed from its tokens when it is admitted again. With prefix caching,
 a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
-`state_saves`), and a prefix hit resumes after the deepest matched block with a checkpoint, copied
-into the new sequence's slot before its first chunk (`state_restores`); a hit clamped short of the
-matched blocks has its first chunk end at the last of them (the branch point), so its checkpoint
-is saved there and every later prompt sharing the prefix resumes at it.
+`state_saves`; a decode row only every `decode_interval` blocks), and a prefix hit resumes after
+the deepest matched block with a checkpoint, copied into the new sequence's slot before its first
+chunk (`state_restores`); a hit clamped short of the matched blocks has its first chunk end at
+the last of them (the branch point), so its checkpoint is saved there and every later prompt
+sharing the prefix resumes at it.
 """
 
 from __future__ import annotations
@@ -313,14 +314,24 @@ class Scheduler:
             and num <= seq.num_uncomputed
             and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
         ):
-            decode = seq.num_kv_computed >= seq.num_prompt_tokens
-            ck = states.take_checkpoint(seq.seq_id, end, decode)
-            if ck is not None:
-                self._saves.append((states.owners[seq.seq_id], ck))
+            self._may_save(seq, end)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
         self._budget -= num
+
+    def _may_save(self, seq: Sequence, end: int) -> None:
+        """A checkpoint of `seq`'s state after `end` tokens (a block end), if the policy wants
+        one there: every prompt chunk end; in decode, every `decode_interval` blocks."""
+        states = self.state_pool
+        decode = seq.num_kv_computed >= seq.num_prompt_tokens
+        if decode:
+            interval = states.decode_interval
+            if not interval or (end // self.pool.block_size) % interval:
+                return
+        ck = states.take_checkpoint(seq.seq_id, end, decode)
+        if ck is not None:
+            self._saves.append((states.owners[seq.seq_id], ck))
 
     def _pick_victim(self) -> Sequence:
         """Newest unscheduled sequence that is still prefilling, else the newest unscheduled."""

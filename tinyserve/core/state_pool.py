@@ -12,9 +12,12 @@ A checkpoint is the state after a whole number of blocks: saved (a device copy e
 step that computed it) while *pending* on its sequence, then *ready* once the block it ends is
 committed to the prefix trie, hung off that block's node. A prefix match resumes only after a
 block with a ready checkpoint; every copy runs in stream order, so a ready checkpoint's copy is
-always enqueued before any restore from it. Ready checkpoints are evicted least recently used
-first, and with their trie node. Invariant: every slot and every checkpoint is in exactly one
-state (runtime: free / owned; checkpoint: free / pending on one sequence / ready on one node).
+always enqueued before any restore from it. Saves are taken at prompt chunk ends and, while a
+sequence decodes, at block ends that are multiples of `decode_interval` blocks (0: none); a
+decoding sequence keeps only its newest decode save (`tails`), where the next chat turn resumes.
+Ready checkpoints are evicted least recently used first, and with their trie node. Invariant:
+every slot and every checkpoint is in exactly one state (runtime: free / owned; checkpoint:
+free / pending on one sequence / ready on one node).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from collections import OrderedDict
 
 
 class StatePool:
-    def __init__(self, num_slots: int, num_checkpoints: int = 0) -> None:
-        assert num_slots > 0 and num_checkpoints >= 0
+    def __init__(self, num_slots: int, num_checkpoints: int = 0, decode_interval: int = 4) -> None:
+        assert num_slots > 0 and num_checkpoints >= 0 and decode_interval >= 0
         self.num_slots = num_slots
+        # A decoding sequence saves at block ends that are multiples of this many blocks (0:
+        # never; EngineConfig.prefix_cache_decode_state_interval).
+        self.decode_interval = decode_interval
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
         self.owners: dict[int, int] = {}  # seq_id -> slot
         self.num_checkpoints = num_checkpoints
