@@ -1,9 +1,14 @@
-"""Tiny random Qwen3.5 text checkpoints written by transformers (fp32), and transformers'
-greedy continuation: shared by test_qwen3_5*.py and test_gpu_qwen3_5.py."""
+"""Tiny random Qwen3.5 text checkpoints written by transformers (fp32), random MTP weights added
+to them (`add_mtp_weights`), and transformers' greedy continuation: shared by test_qwen3_5*.py
+and test_gpu_qwen3_5.py."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
+from safetensors.torch import load_file, save_file
 
 try:
     import transformers
@@ -73,6 +78,45 @@ def make_checkpoint(path, variant: str, seed: int):
     hf.config._attn_implementation = "eager"
     hf.save_pretrained(path)
     return hf.eval()
+
+
+def add_mtp_weights(path, text, seed: int, echo: bool = False) -> dict[str, torch.Tensor]:
+    """Random top-level `mtp.*` tensors in the published layout written into the checkpoint at
+    `path` (its config.json, or its text_config, gets `mtp_num_hidden_layers: 1`): fc (H, 2H),
+    the zero-centred pre_fc_norm_embedding / pre_fc_norm_hidden / norm, and layers.0 shaped as
+    a full-attention decoder layer of `text` (transformers' text model: names and shapes taken
+    from it). `echo`: the layer mostly passes the target's hidden through (fc's hidden half is
+    the identity, the attention's and the MLP's outputs are scaled by 0.1), so the drafts mostly
+    repeat the last token and runs of one token in the greedy output accept several drafts a
+    step. Returns them."""
+    full = text.config.layer_types.index("full_attention")
+    layer = text.layers[full].state_dict()  # input_layernorm, self_attn.*, mlp.*, ...
+    size = text.config.hidden_size
+    shapes = {f"layers.0.{name}": t.shape for name, t in layer.items()}
+    shapes |= {"fc.weight": (size, 2 * size)}
+    shapes |= {f"{n}.weight": (size,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden")}
+    shapes |= {"norm.weight": (size,)}
+    g = torch.Generator().manual_seed(seed)
+    mtp = {}
+    for name, shape in sorted(shapes.items()):
+        noise = torch.randn(shape, generator=g)
+        # matrices ~ N(0, 1/fan_in); zero-centred norms w ~ 0.2 N(0, 1) (scale 1 + w)
+        mtp[f"mtp.{name}"] = noise * shape[-1] ** -0.5 if len(shape) > 1 else 0.2 * noise
+    if echo:
+        mtp["mtp.fc.weight"][:, :size] *= 0.1
+        mtp["mtp.fc.weight"][:, size:] = torch.eye(size)  # [embedding | hidden] -> hidden
+        for name in ("layers.0.self_attn.o_proj", "layers.0.mlp.down_proj"):
+            mtp[f"mtp.{name}.weight"] *= 0.1
+        for name in ("pre_fc_norm_hidden", "norm"):
+            mtp[f"mtp.{name}.weight"].zero_()
+    file = os.path.join(path, "model.safetensors")
+    save_file(load_file(file) | mtp, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return mtp
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tinyserve.model.config import ModelConfig, UnsupportedModel
+from tinyserve.model.config import ModelConfig
 from tinyserve.model.layers.linear import ShapeMismatch, default_weight_loader
 from tinyserve.model.layers.norm import RMSNorm
 from tinyserve.model.models.llama import LlamaForCausalLM
@@ -48,8 +48,6 @@ def load_model(
     # wipe the precomputed RoPE table, a buffer.)
     with _default_dtype(dtype), device:
         if config.layer_types:  # a hybrid model (Qwen3.5)
-            if with_mtp:
-                raise UnsupportedModel(f"{config.architecture}: its MTP head is not supported")
             model = Qwen3_5ForCausalLM(config)
         else:
             model = LlamaForCausalLM(config)
@@ -159,8 +157,8 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
                 written[key] = ckpt_name
     if layout is not None and model.mtp is not None and model.mtp.layout.zero_centred_norms:
         with torch.no_grad():
-            for m in model.mtp.modules():
-                if isinstance(m, RMSNorm):
+            for m in model.mtp.modules():  # (ZeroCentredRMSNorms add the 1 as they load)
+                if type(m) is RMSNorm:
                     m.weight += 1.0  # Qwen3-Next stores w for a (1 + w) scale
     missing = expected - written.keys()
     if missing:

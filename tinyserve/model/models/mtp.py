@@ -2,7 +2,7 @@
 
 One MTP layer turns (target hidden h_i, next token t_{i+1}) into a guess for t_{i+2}:
     x = proj(cat[hidden_norm(h_i), token_norm(embed(t_{i+1}))])   (MiMo: hidden first)
-    x = decoder_block(x) at position i, with its own paged KV      (a Llama/Qwen block)
+    x = decoder_block(x) at position i, with its own paged KV      (the model's attention block)
     h' = final_norm(x);  logits = lm_head(h')                       (embedding, head: shared)
 Drafts beyond the first chain the layer on its own output h'. Only the first MTP layer is built
 and run (checkpoints with more keep them unused, as vLLM and SGLang do for MiMo): a deeper
@@ -16,9 +16,15 @@ Layouts (tensor names from the published model code; see `LAYOUTS`):
               <block>} (DeepSeek-V3, GLM-4.5), embedding first, post-norm target hidden; the
               layer's copies of embed_tokens / shared_head.head equal the main ones and are
               skipped.
-  qwen3_next  mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm, layers.0.<block>},
-              embedding first, post-norm hidden, zero-centred norms (weight + 1 at load).
-The model zeroes the token embedding at position 0 (vLLM's MiMo / DeepSeek MTP do the same).
+  qwen3_next  mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm, layers.0.<block>}
+              (Qwen3-Next, Qwen3.5: top-level names in text and multimodal checkpoints alike),
+              embedding first, post-norm hidden, zero-centred norms, no position-0 mask.
+The block is a Llama/Qwen decoder layer, or on a hybrid model (Qwen3.5) a gated full-attention
+layer of the model's own kind (models/qwen3_5.py) whose norms and the final norm are
+ZeroCentredRMSNorms; the two input norms feed the fused kernels/mtp_input.py, which takes plain
+weights in the model dtype, so their zero-centred w becomes 1 + w after loading. MiMo and
+DeepSeek zero the token embedding at position 0 (as vLLM's MiMo / DeepSeek MTP do); Qwen3-Next
+and Qwen3.5 keep it (vLLM's and SGLang's qwen3_next / qwen3_5 MTP).
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from tinyserve.model.config import ModelConfig, UnsupportedModel
 from tinyserve.model.layers.embedding import LMHead
 from tinyserve.model.layers.linear import Linear
 from tinyserve.model.layers.norm import RMSNorm
+from tinyserve.model.layers.zero_centred_norm import ZeroCentredRMSNorm
 from tinyserve.model.models.llama import LlamaDecoderLayer
+from tinyserve.model.models.qwen3_5 import Qwen3_5DecoderLayer
 from tinyserve.sample.sampler import greedy
 
 
@@ -47,6 +55,7 @@ class Layout:
     # sub-names -> ours; everything else under the prefix is the decoder block.
     names: dict[str, str]
     skipped: tuple[str, ...] = ()  # sub-names that duplicate shared weights
+    masks_position_zero: bool = True  # the token embedding is zeroed at position 0
 
 
 LAYOUTS = {
@@ -83,6 +92,7 @@ LAYOUTS = {
             "fc": "proj",
             "norm": "final_norm",
         },
+        masks_position_zero=False,
     ),
 }
 
@@ -138,8 +148,12 @@ class MTPLayer(nn.Module):
         self.token_norm = RMSNorm(size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(size, config.rms_norm_eps)
         self.proj = Linear(2 * size, size, bias=False)
-        self.block = LlamaDecoderLayer(config)
-        self.final_norm = RMSNorm(size, config.rms_norm_eps)
+        if config.layer_types:  # hybrid (Qwen3.5): one full-attention layer of the model's kind
+            self.block = Qwen3_5DecoderLayer(config, "full_attention")
+            self.final_norm = ZeroCentredRMSNorm(size, config.rms_norm_eps)
+        else:
+            self.block = LlamaDecoderLayer(config)
+            self.final_norm = RMSNorm(size, config.rms_norm_eps)
 
 
 class MTPHead(nn.Module):
@@ -176,11 +190,13 @@ class MTPHead(nn.Module):
         if target_hidden and self.layout.normed_hidden:
             hidden = model.norm(hidden)
         fused = mtp_input if hidden.is_cuda else mtp_input_ref  # one kernel for six
+        # It zeroes the embedding of rows whose position argument is 0: ones where none is.
+        masked = positions if self.layout.masks_position_zero else torch.ones_like(positions)
         x = layer.proj(
             fused(
                 hidden,
                 input_ids,
-                positions,
+                masked,
                 model.embed_tokens.weight,
                 layer.hidden_norm.weight,
                 layer.token_norm.weight,

@@ -8,8 +8,9 @@ token mixer: "full_attention" layers keep paged KV (layers/gated_attention.py), 
 their state rows with `allocate_states` and puts `state_slots` / `has_initial_state` in the
 forward context beside the paged-KV metadata). Every norm of the decoder is zero-centred
 (1 + w). Text positions only: with equal t/h/w positions the interleaved mRoPE is plain RoPE
-on the first partial_rotary_factor * head_dim dims of each head. The checkpoint's MTP layer and
-vision tower are not built (the loader skips their tensors).
+on the first partial_rotary_factor * head_dim dims of each head. The checkpoint's MTP layer
+(`mtp.*`, one full-attention decoder layer) is built by the loader when drafting with it
+(models/mtp.py), else skipped with the vision tower.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class Qwen3_5Model(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = None  # shared by the attention layers, if any
-        if "full_attention" in config.layer_types:
+        self.rotary_emb = None  # shared by the attention layers (the MTP layer's too), if any
+        if "full_attention" in config.layer_types or config.num_nextn_predict_layers:
             self.rotary_emb = PartialRotaryEmbedding(
                 config.head_dim,
                 rotary_dim(config),
@@ -112,7 +113,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp: nn.Module | None = None  # the loader's contract; Qwen3.5's MTP is not built
+        self.mtp: nn.Module | None = None  # the loader's contract: the MTP head, when drafting
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
