@@ -296,3 +296,50 @@ def test_greedy_tokens_are_transformers_with_prefix_hits(expected, k, budget, ov
     assert got[4].num_cached_tokens == 28 and got[2].num_cached_tokens <= 24
     accepted = [a for verifies in trace["verifies"].values() for _, a in verifies]
     assert 0 in accepted and max(accepted) >= min(k, 2), accepted  # several a step, too
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_graph_steps_draft_eagerly(expected, overlap):
+    """Hybrid models have decode graphs only (verify steps run eagerly, with per-token states):
+    a step whose rows carry no drafts (the last tokens a request may emit) replays a decode
+    graph (replayed eagerly on the CPU, state slots as graph inputs) and the MTP layer drafts
+    after it from the graph's hidden states, as MiMo's does: transformers' tokens."""
+    from tinyserve.runner.graphs import DecodeGraphs
+
+    path, ps, want = expected
+    llm = LLM(
+        path,
+        **BASE_KW,
+        speculative_method="mtp",
+        num_speculative_tokens=2,
+        max_num_seqs=8,
+        async_scheduling=overlap,
+    )
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(
+        r.model,
+        r.config.max_num_seqs,
+        r.max_blocks_per_seq,
+        r.num_kv_blocks,
+        r.block_size,
+        capture=False,
+        state_scratch=r.state_scratch,
+    )
+    got = llm.generate(ps, greedy(), use_tqdm=False)
+    llm.engine.check_invariants()
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert r.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_seeded_sampling_is_mtp_offs(expected, overlap):
+    """Seeded sampling: each emitted token draws what the step without speculation draws (the
+    same RNG counter), so MTP on gives MTP off's tokens, in either loop."""
+    path, ps, _ = expected
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)
+    kw = dict(BASE_KW, enable_prefix_caching=True, async_scheduling=overlap)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(ps, params, use_tqdm=False)]
+    llm = LLM(path, **kw, speculative_method="mtp", num_speculative_tokens=2)
+    got = llm.generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert llm.engine.spec.stats.num_accepted_tokens > 0

@@ -9,7 +9,9 @@ overlapped loop).
 Hybrid models also get the DeltaNet layers' state rows (runner/states.py): one slot per
 sequence, a scratch slot, a speculative engine's per-token slots and the prefix cache's
 checkpoints (copied to a hit's slot before the forward, saved after it); eager steps, and decode
-graphs (no prefill, mixed, verify or cascade graphs, no prefill lane yet).
+graphs (no prefill, mixed, verify or cascade graphs, no prefill lane yet). Their MTP layer (Qwen3.5)
+is a full-attention layer with paged KV like MiMo's: it drafts after every step as MiMo's does
+(eager after an eager verify step, which keeps its per-token states).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tinyserve.runner.states import (
     commit_token_states,
     copy_states,
     host_states,
+    num_state_slots,
     state_pool_size,
 )
 from tinyserve.runner.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
@@ -114,6 +117,11 @@ class ModelRunner:
         # Prefix-cache checkpoints: the last rows (runner/states.py)
         self.num_checkpoints = checkpoint_budget(config) if self.is_hybrid else 0
         self.checkpoint_base = self.num_state_slots - self.num_checkpoints
+        if self.is_hybrid and config.speculative_method is not None:
+            # A verify step keeps each token's state in the rows after the scratch slot: they
+            # must all sit before the checkpoints (`host_states` writes them unchecked).
+            k, budget = config.num_speculative_tokens, config.max_num_batched_tokens
+            assert self.checkpoint_base >= num_state_slots(config.max_num_seqs, k, budget)
         self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_bytes_per_block = kv_bytes_per_block(
             model_config, self.attn_layers, dtype, self.block_size
