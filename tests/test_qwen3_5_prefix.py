@@ -188,7 +188,7 @@ def test_checkpoint_lifecycle():
     pool.drop_block(5)  # its trie node was evicted
     assert pool.restore_point([3, 5]) == 0
     pool.free(1)  # the pending save goes back
-    pool.check_invariants([], set())
+    pool.check_invariants([], {7})  # (7 stays cached: its checkpoint was evicted, not its node)
     assert len(pool.free_checkpoints) == 2
 
 
@@ -276,7 +276,8 @@ def test_ngram_speculation_with_hits(tmp_path):
 
 def test_checkpoint_metrics_on_the_server(model):
     """/metrics of a hybrid model: the checkpoint counters and the hit-rate gauge move with a hit
-    (two prompts sharing the system prompt, the second resumes from a checkpoint)."""
+    (two prompts sharing the system prompt, the second resumes from a checkpoint and saves one at
+    its branch point)."""
     import asyncio
     import re
 
@@ -298,5 +299,8 @@ def test_checkpoint_metrics_on_the_server(model):
     text = asyncio.run(go())
     assert series(text, "prefix_cache_state_checkpoint_saves_total") >= 1
     assert series(text, "prefix_cache_state_checkpoint_hits_total") == 1
+    # The second prompt was clamped to 16 and saved at its branch point, 28.
+    assert series(text, "prefix_cache_state_checkpoint_branch_saves_total") == 1
+    assert series(text, "prefix_cache_state_checkpoint_branch_hits_total") == 0
     assert 0 < series(text, "prefix_cache_hit_rate") < 1
     assert series(text, "prefix_cache_state_checkpoints_ready") >= 1

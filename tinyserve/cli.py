@@ -280,7 +280,15 @@ def generate(prompt: str, chat: bool, max_tokens: int, temperature: float, **kwa
     show_default=True,
     help="Serve the chat page at / (it loads without the API key and asks for it).",
 )
-def run(**kwargs) -> None:
+@click.option(
+    "--debug-log",
+    multiple=True,
+    metavar="LOGGER",
+    help="Log LOGGER at DEBUG level (repeatable), e.g. tinyserve.prefix: one line per prefix-"
+    "cache match (tokens matched, where and why a hybrid model's match was clamped, tokens "
+    "recomputed, the state checkpoint restored).",
+)
+def run(debug_log: tuple[str, ...], **kwargs) -> None:
     """Serve the chat page at / and the OpenAI-compatible API: /v1/chat/completions,
     /v1/completions, /v1/responses, Anthropic's /v1/messages, /v1/models, /health, /metrics,
     /tokenize, /detokenize, /version. POST bodies must be sent with 'Content-Type:
@@ -296,6 +304,8 @@ def run(**kwargs) -> None:
     from tinyserve.serve.web_ui import ui_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for name in debug_log:
+        logging.getLogger(name).setLevel(logging.DEBUG)
     try:
         server_config = ServerConfig(**{k: v for k, v in kwargs.items() if k not in ENGINE_KEYS})
         engine = _load_engine(EngineConfig(**{k: kwargs[k] for k in ENGINE_KEYS}))

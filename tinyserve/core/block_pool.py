@@ -38,10 +38,12 @@ class BlockPool:
         # token after the block: that token joins the key, so a hit reuses exactly that KV.
         self.key_next_token = key_next_token
         self.states: StatePool | None = None  # hybrid models: checkpoints hang off trie nodes
-        # The last match_prefix's restore: the checkpoint to copy (None: none) and the matched
-        # tokens before clamping to it (the branch point the sequence recomputes up to).
+        # The last match_prefix's restore: the checkpoint to copy (None: none), the matched
+        # tokens before clamping to it (the branch point the sequence recomputes up to) and the
+        # block they end (None: no block matched).
         self.match_checkpoint: int | None = None
         self.match_branch_tokens = 0
+        self.match_branch_block: int | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -149,6 +151,7 @@ class BlockPool:
         while num and any(s < num * bs < e for s, e, _ in seq.mm_spans):
             num -= 1
         self.match_checkpoint, self.match_branch_tokens = None, num * bs
+        self.match_branch_block = path[num - 1] if num else None
         if self.states is not None:  # resume only where an exact state is kept
             num = self.states.restore_point(path[:num])
             if num:

@@ -36,6 +36,7 @@ sharing the prefix resumes at it.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.core.state_pool import StatePool
 
 AGING_STEPS = 4  # a long prefill waits at most this many steps behind short prompts
+# One DEBUG line per admitted prefix match: matched, where and why it was clamped, recomputed.
+match_log = logging.getLogger("tinyserve.prefix")
 
 
 @dataclass(slots=True)
@@ -249,12 +252,15 @@ class Scheduler:
             seq.num_kv_computed = 0
             return False if in_flight else None
         self.waiting.remove(seq)
+        ck = None
         if self.state_pool is not None:
             slot = self.state_pool.allocate(seq.seq_id)
             if matched:  # a hit: the checkpoint after the matched blocks into the slot
                 ck = self.state_pool.touch(seq.block_table[-1])
                 assert ck == self.pool.match_checkpoint
                 self._restores.append((ck, slot))
+        if self.pool.trie is not None and match_log.isEnabledFor(logging.DEBUG):
+            self._log_match(seq, matched, branch, ck)
         if seq.num_preemptions == 0:  # hit statistics describe first admissions only
             seq.num_cached_tokens = matched
             if self.pool.trie is not None:
@@ -263,8 +269,24 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._leaders.append(seq)  # later admissions of this step may wait for its blocks
-        self._take(seq, num, extra)
+        self._take(seq, num, extra, branch if branch > matched else 0)
         return True
+
+    def _log_match(self, seq: Sequence, matched: int, branch: int, ck: int | None) -> None:
+        why = ""
+        if branch > matched:  # the deepest matched block has no ready checkpoint
+            why = self.state_pool.why_no_checkpoint(self.pool.match_branch_block)
+            why = f"; clamped to {matched} (no state after {branch}: {why})"
+            why += f"; recomputing {branch - matched} matched tokens"
+        match_log.debug(
+            "seq %d (%s): matched %d of %d tokens%s%s",
+            seq.seq_id,
+            seq.request_id,
+            branch,  # (= matched unless clamped to a checkpoint)
+            seq.num_tokens,
+            why,
+            f"; restored checkpoint {ck}" if ck is not None else "",
+        )
 
     def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
         """Is a running sequence computing (or has it computed but not yet committed) the very
@@ -300,7 +322,9 @@ class Scheduler:
         room = self.max_model_len - (seq.num_kv_computed + num)
         return max(0, min(self.spec_lookahead, room))
 
-    def _take(self, seq: Sequence, num: int, extra: int = 0) -> None:
+    def _take(self, seq: Sequence, num: int, extra: int = 0, branch: int = 0) -> None:
+        """Schedule `num` tokens of `seq` (+ `extra` KV slots); `branch`: the branch point its
+        admission recomputes up to (a save there is a branch checkpoint)."""
         self.pool.may_append(seq, num + extra)
         end = seq.num_kv_computed + num
         states = self.state_pool
@@ -314,13 +338,13 @@ class Scheduler:
             and num <= seq.num_uncomputed
             and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
         ):
-            self._may_save(seq, end)
+            self._may_save(seq, end, end == branch)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
         self._budget -= num
 
-    def _may_save(self, seq: Sequence, end: int) -> None:
+    def _may_save(self, seq: Sequence, end: int, branch: bool) -> None:
         """A checkpoint of `seq`'s state after `end` tokens (a block end), if the policy wants
         one there: every prompt chunk end; in decode, every `decode_interval` blocks."""
         states = self.state_pool
@@ -329,7 +353,7 @@ class Scheduler:
             interval = states.decode_interval
             if not interval or (end // self.pool.block_size) % interval:
                 return
-        ck = states.take_checkpoint(seq.seq_id, end, decode)
+        ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
         if ck is not None:
             self._saves.append((states.owners[seq.seq_id], ck))
 

@@ -41,7 +41,13 @@ class StatePool:
         self.ready: OrderedDict[int, int] = OrderedDict()  # checkpoint -> block id, LRU first
         self.checkpoint_of: dict[int, int] = {}  # block id -> its ready checkpoint
         self.tails: dict[int, tuple[int, int]] = {}  # seq_id -> (last decode save, its block)
+        # Checkpoints (pending or ready) saved at a branch point: where a hit clamped short of
+        # its matched blocks ended its recompute (the scheduler's `_admit`).
+        self.branch_points: set[int] = set()
+        # Cached blocks whose checkpoint went (block id -> why), for the match log's reasons.
+        self.lost: dict[int, str] = {}
         self.num_checkpoint_saves = self.num_checkpoint_hits = self.num_checkpoint_evictions = 0
+        self.num_checkpoint_branch_saves = self.num_checkpoint_branch_hits = 0
 
     @property
     def num_free_slots(self) -> int:
@@ -79,21 +85,24 @@ class StatePool:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def take_checkpoint(self, seq_id: int, position: int, decode: bool = False) -> int | None:
+    def take_checkpoint(
+        self, seq_id: int, position: int, decode: bool = False, branch: bool = False
+    ) -> int | None:
         """A checkpoint for `seq_id`'s state after `position` tokens (pending until `attach`):
         a free one, else the least recently used ready one; None when all are pending. A decode
         save (`decode`) first takes the sequence's own previous decode save's back if that is
         still ready: a decoding sequence keeps one checkpoint at its newest block end (the next
-        chat turn resumes there), not one per block, which would evict every prompt's."""
+        chat turn resumes there), not one per block, which would evict every prompt's. `branch`:
+        saved at a branch point (counted, and so are the hits resumed from it)."""
         tail = self.tails.pop(seq_id, None)
         if decode and tail is not None and self.ready.get(tail[0]) == tail[1]:
             ck = tail[0]
-            del self.ready[ck], self.checkpoint_of[tail[1]]
+            self._unready(ck, "replaced by a later decode save")
         elif self.free_checkpoints:
             ck = self.free_checkpoints.pop()
         elif self.ready:
-            ck, block_id = self.ready.popitem(last=False)
-            del self.checkpoint_of[block_id]
+            ck = next(iter(self.ready))
+            self._unready(ck, "evicted")
             self.num_checkpoint_evictions += 1
         else:
             return None
@@ -101,7 +110,23 @@ class StatePool:
         if decode:
             self.tails[seq_id] = (ck, -1)  # its block: set by `attach`
         self.num_checkpoint_saves += 1
+        if branch:
+            self.branch_points.add(ck)
+            self.num_checkpoint_branch_saves += 1
         return ck
+
+    def _unready(self, ck: int, why: str | None) -> None:
+        """Ready checkpoint `ck` leaves its node (`why`: kept for the match log while the node
+        stays cached); the caller reuses or frees it."""
+        block_id = self.ready.pop(ck)
+        del self.checkpoint_of[block_id]
+        if why is not None:
+            self.lost[block_id] = why
+        self.branch_points.discard(ck)
+
+    def _free_checkpoint(self, ck: int) -> None:
+        self.branch_points.discard(ck)
+        self.free_checkpoints.append(ck)
 
     def pending_of(self, seq_id: int) -> list[tuple[int, int]]:
         return self.pending.get(seq_id, [])
@@ -114,27 +139,29 @@ class StatePool:
         if not entries:
             del self.pending[seq_id]
         if block_id in self.checkpoint_of:
-            self.free_checkpoints.append(ck)
+            self._free_checkpoint(ck)
             return
         if self.tails.get(seq_id, (None,))[0] == ck:
             self.tails[seq_id] = (ck, block_id)
         self.ready[ck] = block_id
         self.checkpoint_of[block_id] = ck
+        self.lost.pop(block_id, None)
 
     def drop_pending(self, seq_id: int) -> None:
         """A sequence stopped before its saves' blocks were committed: free those (its last
         ready decode save stays, for whoever continues the conversation)."""
         self.tails.pop(seq_id, None)
         for _, ck in self.pending.pop(seq_id, ()):
-            self.free_checkpoints.append(ck)
+            self._free_checkpoint(ck)
 
     def drop_block(self, block_id: int) -> None:
         """A trie node was evicted (its block is reused): its checkpoint goes with it."""
-        ck = self.checkpoint_of.pop(block_id, None)
+        ck = self.checkpoint_of.get(block_id)
         if ck is not None:
-            del self.ready[ck]
-            self.free_checkpoints.append(ck)
+            self._unready(ck, None)
+            self._free_checkpoint(ck)
             self.num_checkpoint_evictions += 1
+        self.lost.pop(block_id, None)
 
     def restore_point(self, path: list[int]) -> int:
         """How many leading blocks of a matched chain to keep: up to the deepest one with a
@@ -149,7 +176,14 @@ class StatePool:
         ck = self.checkpoint_of[block_id]
         self.ready.move_to_end(ck)
         self.num_checkpoint_hits += 1
+        self.num_checkpoint_branch_hits += ck in self.branch_points
         return ck
+
+    def why_no_checkpoint(self, block_id: int) -> str:
+        """Why cached block `block_id` has no ready checkpoint (the match log's reason)."""
+        if not self.num_checkpoints:
+            return "no checkpoint slots (state budget 0)"
+        return self.lost.get(block_id) or "no save ended there"
 
     def check_invariants(self, live_seq_ids: list[int] | None = None, cached_blocks=None) -> None:
         """Every slot free or owned by one sequence; with `live_seq_ids`, exactly those
@@ -171,5 +205,8 @@ class StatePool:
         assert len(every) == len(set(every)), "a checkpoint in two places"
         assert set(every) == set(range(self.num_checkpoints)), "a checkpoint leaked"
         assert {b: c for c, b in self.ready.items()} == self.checkpoint_of, "node map drifted"
+        assert self.branch_points <= set(pending) | set(self.ready), "a free branch point"
+        assert not set(self.lost) & set(self.checkpoint_of), "a ready checkpoint marked lost"
         if cached_blocks is not None:
             assert all(b in cached_blocks for b in self.checkpoint_of), "checkpoint on no node"
+            assert all(b in cached_blocks for b in self.lost), "a reason kept for no node"

@@ -125,6 +125,11 @@ class _CheckpointCollector:
         ("saves", "State checkpoints saved (block ends, branch points)."),
         ("hits", "Prefix hits resumed from a state checkpoint."),
         ("evictions", "State checkpoints evicted (LRU, or with their KV block)."),
+        (
+            "branch_saves",
+            "State checkpoints saved at a branch point (where a clamped hit's recompute ended).",
+        ),
+        ("branch_hits", "Prefix hits resumed from a branch-point checkpoint."),
     )
 
     def __init__(self, state_pool, values: list[str]) -> None:
@@ -142,7 +147,7 @@ class _CheckpointCollector:
             "Checkpoint slots holding a ready state.",
             labels=["model_name"],
         )
-        g.add_metric(self.values, self.pool.num_checkpoints - len(self.pool.free_checkpoints))
+        g.add_metric(self.values, len(self.pool.ready))  # (not the pending saves)
         yield g
 
 
