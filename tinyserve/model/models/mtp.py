@@ -169,7 +169,8 @@ class MTPHead(nn.Module):
         self.layer = MTPLayer(config)
         # Plain attributes (not submodules): the weights belong to the target.
         self.__dict__["target"] = target
-        self.layout = LAYOUTS["mimo"]  # the loader sets the checkpoint's
+        # The family's (dummy weights keep it); the loader sets the checkpoint's.
+        self.layout = LAYOUTS["qwen3_next" if config.layer_types else "mimo"]
         self.draft_head: LMHead | None = None  # restrict_drafts
         self.draft_ids: torch.Tensor | None = None
 
