@@ -17,7 +17,7 @@ import pytest
 from qwen3_5_helpers import hf_greedy, make_checkpoint
 
 from tinyserve import LLM, AsyncEngine, SamplingParams
-from tinyserve.config import InvalidConfig
+from tinyserve.model.config import UnsupportedModel
 
 pytest.importorskip("transformers")
 
@@ -158,7 +158,7 @@ def test_abort_frees_the_slot(checkpoints):
 
 def test_what_hybrid_models_refuse_or_turn_off(checkpoints, caplog):
     path = checkpoints["small_vocab"][0]
-    with pytest.raises(InvalidConfig, match="mtp"):
+    with pytest.raises(UnsupportedModel, match="no MTP layers"):  # tiny checkpoints ship none
         LLM(path, **BASE_KW, speculative_method="mtp", num_speculative_tokens=1)
     with caplog.at_level(logging.INFO):
         engine = LLM(path, **BASE_KW, prefill_lane_tokens=16).engine

@@ -8,38 +8,30 @@ drains in phase 1, so scheduler state is touched by one thread only.
 
 from __future__ import annotations
 
-import array
 import logging
 import os
-import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tinyserve.config import EngineConfig, InvalidConfig
+from tinyserve.config import EngineConfig
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.scheduler import ScheduledBatch, Scheduler
 from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.core.state_pool import StatePool
+from tinyserve.engine.constraints import Constraints
+from tinyserve.engine.requests import Request, RequestIntake
 from tinyserve.model.config import ModelConfig, resolve_dtype
-from tinyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from tinyserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from tinyserve.model.tokenizer import Tokenizer
+from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.runner.model_runner import ModelRunner
 from tinyserve.runner.pending import PendingStep
-from tinyserve.sample.grammar import (
-    Grammar,
-    GrammarCompiler,
-    GrammarState,
-    ReasoningState,
-    StepBitmask,
-)
+from tinyserve.sample.grammar import Grammar, GrammarCompiler
 from tinyserve.sample.sampler import SamplingRow
 from tinyserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from tinyserve.spec.speculator import Speculator
-
-_SEED_MASK = (1 << 63) - 1
 
 log = logging.getLogger("tinyserve.engine")
 
@@ -59,45 +51,6 @@ class InFlight:
     positions: dict[int, int] | None
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
-    grammars: list[GrammarState] = field(default_factory=list)  # per sequence (structured outputs)
-    reasoning: list[ReasoningState] = field(default_factory=list)  # per sequence (params.reasoning)
-    arrival_time: float = 0.0
-    # SamplingParams.prompt_logprobs, filled chunk by chunk by completion 0's prefill; handed
-    # over (and dropped here) with its first token's delta.
-    prompt_logprobs: PromptLogprobs | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
-def _token_ids(prompt, vocab: int) -> list[int]:
-    """The prompt's ids as Python ints, each in [0, vocab). array('q') checks their types in C
-    (a float, a string or a list raises TypeError; an int past 64 bits, OverflowError), and
-    numpy and torch integers pass through `tolist`. It runs inside a step, which no stream
-    advances meanwhile: ~40% faster than a generator (~4 ms for a 32k-token prompt)."""
-    try:
-        packed = array.array("q", prompt.tolist() if hasattr(prompt, "tolist") else prompt)
-    except (TypeError, OverflowError):
-        packed = None
-    if packed is None or (packed and not _in_range(packed, vocab)):
-        raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
-    return packed.tolist()
-
-
-def _in_range(packed: array.array, vocab: int) -> bool:
-    low, high = torch.frombuffer(packed, dtype=torch.int64).aminmax()
-    return bool(low >= 0) and bool(high < vocab)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.model is None:
@@ -106,15 +59,8 @@ class LLMEngine:
             config.model = default_model_path()
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        # Hybrid models (state slots beside paged KV): what they cannot do yet.
+        # Hybrid models: state slots beside paged KV.
         self.is_hybrid = "linear_attention" in self.model_config.layer_types
-        if self.is_hybrid:
-            if config.speculative_method == "mtp":
-                raise InvalidConfig(
-                    "speculative_method",
-                    "'mtp' is not supported for hybrid (linear attention) models yet: use "
-                    "'ngram' or none",
-                )
         # A checkpoint without tokenizer.json (dummy benchmark shapes) takes and gives token ids.
         has_tokenizer = os.path.exists(os.path.join(config.model, "tokenizer.json"))
         self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer else None
@@ -157,22 +103,16 @@ class LLMEngine:
         )
         self._in_flight: InFlight | None = None  # the overlapped loop's launched step
         self.requests: dict[str, Request] = {}
-        self._num_sync_requests = 0  # requests the overlapped loop cannot run, kept by step()
-        self._num_grammars = 0  # requests with structured outputs, kept by step()
-        # Sequences whose reasoning budget the steps in flight could spend: the end ids they
-        # must then emit are host decisions, so the overlapped loop waits (`_may_sync`).
-        self._num_sync_seqs = 0
-        k = config.num_speculative_tokens if self.spec is not None else 0
-        self._sync_margin = 2 * (1 + k)  # tokens two overlapped steps may emit
         self._new: deque[Request] = deque()
         self._aborted: deque[str] = deque()
-        self._rng = random.Random(config.seed)
-        self._next_seq_id = 0
         vocab, eos = self.model_config.vocab_size, self.model_config.eos_token_ids
+        self.intake = RequestIntake(self.tokenizer, vocab, self.max_model_len, config.seed)
         self.grammar_compiler = (
             GrammarCompiler(self.tokenizer, vocab, eos) if has_tokenizer else None
         )
-        self._bitmask = StepBitmask(vocab, pin=device.type == "cuda")
+        k = config.num_speculative_tokens if self.spec is not None else 0
+        pin = device.type == "cuda"
+        self.constraints = Constraints(self.requests, vocab, pin, self.spec is not None, k)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar:
         """The compiled grammar of a structured-outputs spec (cached by spec), for `add_request`.
@@ -208,66 +148,11 @@ class LLMEngine:
         thread; without it a spec is compiled here.
         """
         params = params or SamplingParams()
-        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
-            raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
-        if isinstance(prompt, str):
-            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, prompt_ids = None, _token_ids(prompt, self.model_config.vocab_size)
-        if not prompt_ids:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidParameter("logit_bias", f"logit_bias ids must be in [0, {vocab})")
-        if params.reasoning is not None and max(params.reasoning.ids) >= vocab:
-            raise InvalidParameter("reasoning", f"reasoning ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
-            raise InvalidParameter(
-                "max_tokens" if room > 0 else "prompt",
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {len(prompt_ids) + (params.max_tokens or 0)} tokens "
-                f"({len(prompt_ids)} in the messages, {params.max_tokens or 0} in the "
-                f"completion). Please reduce the length of the messages or completion.",
-            )
         if request_id in self.requests or any(r.request_id == request_id for r in self._new):
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
-        if (spec := params.structured_outputs) is not None and grammar is None:
-            grammar = self.compile_grammar(spec)
-        assert grammar is None or (spec is not None and grammar.key == spec.key), "wrong grammar"
-        req = Request(request_id, text, prompt_ids, params, arrival_time=time.monotonic())
-        req.grammars = [grammar.matcher() for _ in range(params.n)] if grammar else []
-        if params.reasoning is not None:
-            req.reasoning = [ReasoningState(params.reasoning) for _ in range(params.n)]
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(prompt_ids)  # the first token's stays None
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        for i in range(params.n):
-            seed = base_seed if i == 0 else hash((base_seed, i)) & _SEED_MASK
-            req.seqs.append(
-                Sequence(
-                    self._next_seq_id,
-                    request_id,
-                    i,
-                    list(prompt_ids),
-                    len(prompt_ids),
-                    params,
-                    seed,
-                    max_tokens,
-                    req.arrival_time,
-                    cache_salt=cache_salt,
-                    mm_spans=tuple(mm_spans),
-                )
-            )
-            self._next_seq_id += 1
-            req.detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
-                )
-                if self.tokenizer
-                else None
-            )
+        req = self.intake.build(
+            request_id, prompt, params, grammar, self.compile_grammar, cache_salt, mm_spans
+        )
         self._new.append(req)
 
     def abort(self, request_id: str) -> None:
@@ -281,10 +166,7 @@ class LLMEngine:
         while self._new:
             req = self._new.popleft()
             self.requests[req.request_id] = req
-            self._num_sync_requests += self._needs_sync(req.params)
-            self._num_grammars += req.params.structured_outputs is not None
-            for r in req.reasoning:
-                self._may_sync(r)
+            self.constraints.admit(req)
             for seq in req.seqs:
                 self.scheduler.add(seq)
         while self._aborted:
@@ -320,9 +202,7 @@ class LLMEngine:
             time.sleep(LANE_IDLE_S)
         for rid in [rid for rid, d in deltas.items() if d.finished]:
             req = self.requests.pop(rid)
-            self._num_sync_requests -= self._needs_sync(req.params)
-            self._num_grammars -= req.params.structured_outputs is not None
-            self._num_sync_seqs -= sum(r.needs_sync for r in req.reasoning)
+            self.constraints.release(req)
         return list(deltas.values())
 
     def _launch_lane(self) -> None:
@@ -330,26 +210,6 @@ class LLMEngine:
         go first), before a step the loop then waits for."""
         for seq, start, num in self.scheduler.lane_launches:
             self.runner.lane.launch(seq.token_ids[start : start + num], start, seq.block_table)
-
-    def _needs_sync(self, p: SamplingParams) -> bool:
-        # A grammar's mask needs its matcher advanced over the last step's token: the overlapped
-        # loop does that while the next forward runs (`_advance_early`), for one token a step
-        # of a plain answer; drafts and a reasoning phase still take the synchronous loop.
-        grammar = p.structured_outputs is not None and (
-            self.spec is not None or p.reasoning is not None
-        )
-        return p.needs_token_values or grammar or (self.spec is not None and p.needs_output_count)
-
-    def _may_sync(self, r: ReasoningState) -> None:
-        """Keep `_num_sync_seqs`: a sequence needs the synchronous loop while its budget has
-        fewer tokens left than the step in flight and the next overlapped one may emit (then
-        neither passes the budget, and the step after them is launched knowing whether to
-        force), and while it forces the end."""
-        left = r.num_left()
-        needs = left is not None and left < self._sync_margin
-        if needs != r.needs_sync:
-            r.needs_sync = needs
-            self._num_sync_seqs += 1 if needs else -1
 
     def _can_overlap(self) -> bool:
         """The overlapped loop needs every next input computable on the device: not with
@@ -360,27 +220,17 @@ class LLMEngine:
             self.spec is not None and not self.spec.drafts_on_device
         ):
             return False
-        return self._num_sync_requests == 0 and self._num_sync_seqs == 0  # O(1): every step
+        return self.constraints.allow_overlap  # O(1): every step
 
     def _launch(self, batch: ScheduledBatch, overlap: bool) -> InFlight:
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         rows = [row for i in sampled for row in self._sampling_rows(batch.seqs[i])]
         drafted = [len(seq.draft_ids) for seq in batch.seqs]
-        last = self._in_flight if overlap else None
-        prev = last.pending if last is not None else None
-        bitmask = None
+        prev = self._in_flight.pending if overlap and self._in_flight else None
         seqs = [batch.seqs[i] for i in sampled]
-        if (self._num_grammars or self._num_sync_requests or self._num_sync_seqs) and any(
-            s.params.structured_outputs or s.params.reasoning for s in seqs
-        ):
-            # Grammar masks and forced end ids: the runner fills them once the forward is
-            # enqueued, so the host works while the device runs it (overlapped: after the
-            # matchers took the tokens of the step before, which that forward does not need).
-            def bitmask():
-                if last is not None:
-                    self._advance_early(last, seqs)
-                return self._bitmask.fill(seqs, self._constraint)
-
+        # Grammar masks and forced end ids: the runner fills them once the forward is enqueued,
+        # so the host works while the device runs it.
+        bitmask = self.constraints.masks(seqs, prev)
         pending = self.runner.launch(batch, rows, prev, bitmask)
         positions = None
         if overlap:  # advance now: the next schedule must see this step's tokens as computed
@@ -457,27 +307,6 @@ class LLMEngine:
                     seq.draft_ids = req.grammars[seq.index].valid_drafts(seq.draft_ids)
             self._delta(deltas, self.requests[seq.request_id], seq, *delta)
 
-    def _advance_early(self, last: InFlight, seqs: list[Sequence]) -> None:
-        """Advance the matchers of `seqs` over the tokens `last` sampled for them (still
-        PLACEHOLDER on the host): waits for `last`, whose post-processing then reads the
-        answers (`GrammarState.finishes_on`)."""
-        outs = None
-        for seq in seqs:
-            req = self.requests[seq.request_id]
-            if req.grammars and seq.token_ids[-1] == PLACEHOLDER:
-                outs = outs or last.pending.result()
-                req.grammars[seq.index].advance_early(outs[seq.pending_row].tokens[0].token_id)
-
-    def _constraint(self, seq: Sequence) -> GrammarState | int | None:
-        """What masks a sequence's next token: the end id it must emit, else its grammar once
-        the reasoning (if any) ended and while it runs, else nothing."""
-        req = self.requests[seq.request_id]
-        if req.reasoning and not (r := req.reasoning[seq.index]).is_ended:
-            return r.forced_token
-        if req.grammars and not (g := req.grammars[seq.index]).done:
-            return g
-        return None  # (a grammar that ended on the step in flight: its row's token is dropped)
-
     def _sampling_rows(self, seq: Sequence) -> list[SamplingRow]:
         """One row per position sampled: the last token's, then one after each draft (the RNG
         counter and the penalties see the drafts before it as already generated)."""
@@ -528,7 +357,7 @@ class LLMEngine:
             if reason is not None:
                 break  # drafts accepted past a stop are dropped
         if r is not None:
-            self._may_sync(r)
+            self.constraints.may_sync(r)
         if reason is not None and detok and not detok.stopped:
             text += detok.flush()
         seq.stop_reason = stop_reason
@@ -561,9 +390,6 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        recount = sum(self._needs_sync(r.params) for r in self.requests.values())
-        assert self._num_sync_requests == recount, "sync request count drifted"
-        recount = sum(s.needs_sync for r in self.requests.values() for s in r.reasoning)
-        assert self._num_sync_seqs == recount, "sync sequence count drifted"
+        self.constraints.check_invariants()
         if not self.scheduler.has_work:
             assert self.pool.num_free_blocks == self.pool.num_blocks, "KV blocks leaked"

@@ -230,7 +230,7 @@ class ReasoningState:
         self.num_tokens = self.num_forced = self.num_opened = 0
         self.phase = self.ENDED
         self._recent: list[int] = []  # the last reasoning tokens, as many as end_ids
-        self.needs_sync = False  # kept by the engine (LLMEngine._may_sync)
+        self.needs_sync = False  # kept by engine/constraints.py (Constraints.may_sync)
         if spec.starts_in_reasoning:
             self._think()
         elif spec.start_ids:
