@@ -15,7 +15,7 @@ from spec_helpers import make_llm as make_mimo
 from test_api_tools import TINY
 
 from tinyserve import LLM, InvalidParameter, SamplingParams
-from tinyserve.sample.grammar import ReasoningState
+from tinyserve.sample.reasoning import ReasoningState
 from tinyserve.sampling_params import ReasoningParams
 from tinyserve.sampling_params import StructuredOutputsParams as SO
 

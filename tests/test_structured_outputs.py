@@ -373,7 +373,9 @@ def test_overlapped_loop_equals_synchronous(smollm2_path, smollm2_llm, monkeypat
     engine = llm.engine
     early = []
     real = engine.constraints._advance_early
-    monkeypatch.setattr(engine.constraints, "_advance_early", lambda *a: early.append(1) or real(*a))
+    monkeypatch.setattr(
+        engine.constraints, "_advance_early", lambda *a: early.append(1) or real(*a)
+    )
     outs = [o.outputs[0] for o in gen(llm, prompts, ps)]
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tinyserve.core.sequence import PLACEHOLDER, Sequence
-from tinyserve.sample.grammar import GrammarState, ReasoningState, StepBitmask, TokenBitmask
+from tinyserve.sample.grammar import GrammarState, StepBitmask, TokenBitmask
+from tinyserve.sample.reasoning import ReasoningState
 from tinyserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ import torch
 from tinyserve.core.sequence import Sequence
 from tinyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyserve.outputs import PromptLogprobs
-from tinyserve.sample.grammar import Grammar, GrammarState, ReasoningState
+from tinyserve.sample.grammar import Grammar, GrammarState
+from tinyserve.sample.reasoning import ReasoningState
 from tinyserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 _SEED_MASK = (1 << 63) - 1

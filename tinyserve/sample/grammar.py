@@ -7,8 +7,7 @@ constrained sequences on the host (`StepBitmask.fill`, after the last step's tok
 matchers) into a pinned int32 buffer; `sample` copies it without a sync and masks those logits
 rows to -inf before everything else (`apply_token_bitmask`). xgrammar is imported on first use:
 its import takes seconds (it imports transformers, which tinyserve itself never uses).
-`ReasoningState` gates a thinking model's grammar (it applies after the reasoning) and names the
-end-of-reasoning token a row must emit once its budget is spent: a one-bit row of the same mask.
+A reasoning budget's forced end ids (sample/reasoning.py) ride the same mask as one-bit rows.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tinyserve.sample.transfer import to_device
-from tinyserve.sampling_params import InvalidParameter, ReasoningParams, StructuredOutputsParams
+from tinyserve.sampling_params import InvalidParameter, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tinyserve.core.sequence import Sequence as Seq
@@ -213,88 +212,6 @@ class GrammarState:
         if num:
             m.rollback(num)
         return masks
-
-
-class ReasoningState:
-    """One sequence's place in its reasoning (`SamplingParams.reasoning`), advanced token by
-    verified token: OPENING (the model may open it: the start ids matched so far), THINKING
-    (`num_tokens` counted, the budget not spent), FORCING (the end ids, `num_forced` of them
-    emitted), ENDED (the answer: a grammar applies from here). Engine step thread only."""
-
-    __slots__ = ("spec", "phase", "num_tokens", "num_forced", "num_opened", "needs_sync", "_recent")
-
-    OPENING, THINKING, FORCING, ENDED = range(4)
-
-    def __init__(self, spec: ReasoningParams) -> None:
-        self.spec = spec
-        self.num_tokens = self.num_forced = self.num_opened = 0
-        self.phase = self.ENDED
-        self._recent: list[int] = []  # the last reasoning tokens, as many as end_ids
-        self.needs_sync = False  # kept by engine/constraints.py (Constraints.may_sync)
-        if spec.starts_in_reasoning:
-            self._think()
-        elif spec.start_ids:
-            self.phase = self.OPENING
-
-    @property
-    def is_ended(self) -> bool:
-        return self.phase == self.ENDED
-
-    @property
-    def forced_token(self) -> int | None:
-        """The token the next step must emit, while forcing the end."""
-        return self.spec.end_ids[self.num_forced] if self.phase == self.FORCING else None
-
-    def num_left(self) -> int | None:
-        """Reasoning tokens the budget still allows (None: no limit, or not reasoning)."""
-        budget = self.spec.budget
-        if budget is None or self.phase == self.ENDED:
-            return None
-        return 0 if self.phase == self.FORCING else budget - self.num_tokens
-
-    def advance(self, token: int) -> None:
-        """A verified token (a no-op once ended)."""
-        spec = self.spec
-        if self.phase == self.OPENING:
-            if token == spec.start_ids[self.num_opened]:
-                self.num_opened += 1
-                if self.num_opened == len(spec.start_ids):
-                    self._think()
-            else:
-                self.phase = self.ENDED  # the model answered without reasoning
-        elif self.phase == self.THINKING:
-            self.num_tokens += 1
-            end = spec.end_ids
-            self._recent = (self._recent + [token])[-len(end) :]
-            if self._recent == end:
-                self.phase = self.ENDED
-            elif spec.budget is not None and self.num_tokens >= spec.budget:
-                self.phase = self.FORCING
-        elif self.phase == self.FORCING:
-            assert token == self.forced_token, "a forced token was not emitted"
-            self.num_forced += 1
-            if self.num_forced == len(spec.end_ids):
-                self.phase = self.ENDED
-
-    def _think(self) -> None:
-        self.phase = self.THINKING if self.spec.budget != 0 else self.FORCING
-
-    def trim_drafts(self, drafts: list[int]) -> list[int]:
-        """The drafts this step may carry: none while opening or forcing; within the budget (the
-        step emits up to one token past its drafts), and none that completes the end (the rows
-        after it would be the answer's, which a grammar masks)."""
-        if self.phase == self.ENDED or not drafts:
-            return drafts
-        if self.phase != self.THINKING:
-            return []
-        left = self.num_left()
-        if left is not None:
-            drafts = drafts[: max(0, left - 1)]
-        end = self.spec.end_ids
-        for j in range(len(drafts)):
-            if (self._recent + drafts[: j + 1])[-len(end) :] == end:
-                return drafts[:j]
-        return drafts
 
 
 @dataclass(slots=True)
