@@ -260,3 +260,24 @@ def test_rule_checks():
         gated_delta_rule_recurrent(*inputs, rest[0], state[:, :, :8], *rest[2:])
     with pytest.raises(ValueError, match="chunk_size"):
         gated_delta_rule_chunked(*inputs, *rest, chunk_size=24)
+
+
+# -- gated RMSNorm ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_gated_rms_norm_matches_the_layer(dtype):
+    """One kernel for the eight-op norm: the layer's math, with a gate that is a strided view
+    of a wider projection (as `in_proj`'s z is), and the weight's rounding in 16-bit dtypes."""
+    from tinyserve.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
+
+    T, H, N = 5, 4, 128
+    x = torch.randn(T, H, N, device=DEVICE).to(dtype)
+    proj = torch.randn(T, H * N + 40, device=DEVICE).to(dtype)
+    gate = proj[:, 8 : 8 + H * N].view(T, H, N)
+    weight = (1 + 0.1 * torch.randn(N, device=DEVICE)).to(dtype)
+    out = gated_rms_norm(x, gate, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == (T, H, N)
+    assert_rel(out, gated_rms_norm_ref(x, gate, weight, 1e-6), dtype)
+    with pytest.raises(ValueError):
+        gated_rms_norm(x, gate[:2], weight, 1e-6)

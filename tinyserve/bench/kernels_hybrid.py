@@ -1,7 +1,8 @@
 """The Qwen3.5 (Gated DeltaNet) rows of `bench.py kernels`: the recurrent decode update, whose
 cost is reading and writing each sequence's float32 state (Hv x K x V per layer), as a fraction of
 the copy rate; and the chunked delta rule over prompt chunks, as tokens/s, beside the recurrent
-kernel walking the same tokens one by one."""
+kernel walking the same tokens one by one; and the gated RMSNorm after it, one kernel against its
+eight eager torch ops."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def _inputs(T: int, B: int, hk: int, hv: int, k: int, v: int, slots: int):
 def bench_hybrid(res) -> None:
     from tinyserve.kernels.gated_delta_rule import gated_delta_rule_chunked
     from tinyserve.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
+    from tinyserve.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
 
     for model, *dims in SHAPES:
         hk, hv, k, v = dims
@@ -68,3 +70,21 @@ def bench_hybrid(res) -> None:
                 if row.get("triton_us"):
                     row["tok_per_s"] = round(tokens / row["triton_us"] * 1e6)
                     print(f"  {row['shape']}: {row['tok_per_s']:,} tok/s", flush=True)
+        for tokens in (1, 64, 4096):  # the output norm: x and gate read, the output written
+            kernel_row(
+                res,
+                "gated_rms_norm",
+                f"{model} {tokens} tokens",
+                3 * tokens * hv * v * 2,
+                0,
+                lambda t=tokens, h=hv, n=v: _norm_inputs(t, h, n),
+                gated_rms_norm,
+                {"eager": gated_rms_norm_ref},
+            )
+
+
+def _norm_inputs(T: int, hv: int, v: int):
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(T, hv, v, device=dev, dtype=bf16)
+    gate = torch.randn(T, hv, v, device=dev, dtype=bf16)
+    return x, gate, torch.ones(v, device=dev, dtype=bf16), 1e-6
