@@ -38,11 +38,15 @@ def model(tmp_path_factory):
     return str(path), hf, system, questions
 
 
-def use_decode_interval(llm: LLM) -> None:
-    """The engine builds its StatePool with the default decode interval: give it the config's
-    (a no-op once LLMEngine passes prefix_cache_decode_state_interval itself)."""
-    interval = llm.engine.config.prefix_cache_decode_state_interval
-    llm.engine.scheduler.state_pool.decode_interval = interval
+def hybrid_llm(path: str, **kwargs) -> LLM:
+    """An LLM whose StatePool has what LLMEngine does not pass it yet: the config's decode save
+    interval, and the runner's row of checkpoint 0 (so that idle runtime slots are borrowed)."""
+    llm = LLM(path, **kwargs)
+    engine = llm.engine
+    states = engine.scheduler.state_pool
+    states.decode_interval = engine.config.prefix_cache_decode_state_interval
+    states.checkpoint_base = engine.runner.checkpoint_base
+    return llm
 
 
 def greedy(n: int) -> SamplingParams:
@@ -73,7 +77,7 @@ def test_shared_system_prompt(model, budget, overlap):
     none) and recomputes up to the branch point (28), saving a checkpoint there; request 3
     resumes at 28. Also in the overlapped loop (saves keyed a step late, when the tokens are)."""
     path, hf, system, questions = model
-    llm = LLM(path, **BASE_KW, max_num_batched_tokens=budget, async_scheduling=overlap)
+    llm = hybrid_llm(path, **BASE_KW, max_num_batched_tokens=budget, async_scheduling=overlap)
     got = [serve(llm, system + q) for q in questions]
     want = [hf_greedy(hf, system + q, MAX_NEW)[SYSTEM + SUFFIX :] for q in questions]
     assert [t for t, _ in got] == want
@@ -89,7 +93,9 @@ def test_second_chat_turn(model, state_budget):
     admitted first takes the slot turn 1 left (its final state), so turn 2's slot holds
     nothing but the restored checkpoint."""
     path, hf, system, questions = model
-    llm = LLM(path, **BASE_KW, max_num_batched_tokens=16, prefix_cache_state_budget=state_budget)
+    llm = hybrid_llm(
+        path, **BASE_KW, max_num_batched_tokens=16, prefix_cache_state_budget=state_budget
+    )
     turn1 = system + questions[0]
     answer, _ = serve(llm, turn1, 12)
     turn2 = turn1 + answer + questions[1]
@@ -107,13 +113,12 @@ def test_decode_state_interval(model, interval):
     saves at its chunk end 32 and, decoding, at the block ends 40 / 44 / 48 the interval
     picks; turn 2 resumes at the deepest. Tokens stay transformers' whatever the interval."""
     path, hf, system, questions = model
-    llm = LLM(
+    llm = hybrid_llm(
         path,
         **BASE_KW,
         max_num_batched_tokens=16,
         prefix_cache_decode_state_interval=interval,
     )
-    use_decode_interval(llm)
     turn1 = system + questions[0]
     answer, _ = serve(llm, turn1, 12)
     turn2 = turn1 + answer + questions[1]
@@ -133,13 +138,23 @@ def test_decode_state_interval_config():
     assert "prefix_cache_decode_state_interval" in ENGINE_KEYS
 
 
-def test_no_checkpoints_no_hits(model):
-    """A state budget of 0: blocks still match, but no state is kept, so nothing is skipped."""
+@pytest.mark.parametrize("borrow", [True, False])
+def test_state_budget_0(model, borrow):
+    """A state budget of 0: checkpoints only in idle runtime slots (borrowed). Request 2 is
+    clamped to 0 and saves its branch point (28) in one; request 3 resumes there. Without
+    borrowing (the runner's rows unknown to the pool) blocks still match, but no state is kept,
+    so nothing is skipped."""
     path, hf, system, questions = model
-    llm = LLM(path, **BASE_KW, prefix_cache_state_budget=0)
-    got = [serve(llm, system + q) for q in questions[:2]]
-    assert [c for _, c in got] == [0, 0]
-    assert got[1][0] == hf_greedy(hf, system + questions[1], MAX_NEW)[SYSTEM + SUFFIX :]
+    llm = hybrid_llm(path, **BASE_KW, prefix_cache_state_budget=0)
+    states = llm.engine.scheduler.state_pool
+    if not borrow:
+        states.checkpoint_base = None
+    got = [serve(llm, system + q) for q in questions]
+    assert [c for _, c in got] == ([0, 0, 28] if borrow else [0, 0, 0])
+    assert [t for t, _ in got] == [
+        hf_greedy(hf, system + q, MAX_NEW)[SYSTEM + SUFFIX :] for q in questions
+    ]
+    assert len(states.borrowed) == borrow and states.num_checkpoints == 0
 
 
 def test_concurrent_requests_and_evictions(model):
@@ -149,7 +164,7 @@ def test_concurrent_requests_and_evictions(model):
     path, hf, system, questions = model
     rng = random.Random(3)
     prompts = [system[: rng.randrange(8, SYSTEM)] + q for q in questions * 2]
-    llm = LLM(
+    llm = hybrid_llm(
         path,
         **BASE_KW | dict(num_kv_blocks=24),
         max_num_batched_tokens=16,
@@ -208,19 +223,31 @@ def test_duplicate_save_is_freed_and_decode_saves_rotate():
     pool.check_invariants([1, 2], {9, 10})
 
 
-def test_random_ops_keep_invariants(model):
+@pytest.mark.parametrize("state_budget", [3, 0])
+def test_random_ops_keep_invariants(model, state_budget):
     """admit / step / abort / preempt in random order, engine invariants (block pool, trie,
-    runtime and checkpoint slots) after each op; every request's tokens stay transformers'."""
+    runtime, borrowed and checkpoint slots) after each op; every request's tokens stay
+    transformers'. Four sequences at most: idle runtime slots hold checkpoints (budget 0: only
+    they do) and admissions reclaim them, ready or pending."""
     path, hf, system, questions = model
     rng = random.Random(11)
-    llm = LLM(
+    llm = hybrid_llm(
         path,
         **BASE_KW | dict(num_kv_blocks=32),
         max_num_batched_tokens=16,
-        prefix_cache_state_budget=3,
+        prefix_cache_state_budget=state_budget,
         max_num_seqs=4,
     )
     engine, sched = llm.engine, llm.engine.scheduler
+    states, reclaims = sched.state_pool, []  # per reclaim: was the checkpoint pending?
+    reclaim = states._reclaim
+
+    def counted(keep: int | None) -> int:
+        ck = reclaim(keep)
+        reclaims.append(ck in states.reclaimed)
+        return ck
+
+    states._reclaim = counted
     prompts = [
         system[: rng.randrange(4, SYSTEM)] + q[: rng.randrange(1, SUFFIX)] for q in questions
     ]
@@ -252,7 +279,8 @@ def test_random_ops_keep_invariants(model):
         p = prompts[int(rid) % len(prompts)]
         want = hf_greedy(hf, p, MAX_NEW)[len(p) :]
         assert got == (want[: len(got)] if rid in aborted else want), rid
-    assert sched.state_pool.num_checkpoint_hits > 0
+    assert states.num_checkpoint_hits > 0 and states.num_checkpoint_borrows > 0
+    assert True in reclaims and False in reclaims  # pending and ready borrowed slots taken
 
 
 def test_ngram_speculation_with_hits(tmp_path):
@@ -262,7 +290,7 @@ def test_ngram_speculation_with_hits(tmp_path):
     rng = random.Random(5)
     system = [rng.randrange(12) for _ in range(SYSTEM)]
     prompts = [system + [rng.randrange(12) for _ in range(SUFFIX)] for _ in range(3)]
-    llm = LLM(
+    llm = hybrid_llm(
         str(tmp_path),
         **BASE_KW,
         max_num_batched_tokens=16,
@@ -284,7 +312,7 @@ def test_checkpoint_metrics_on_the_server(model):
     from test_server import serving
 
     path, _, system, questions = model
-    llm = LLM(path, **BASE_KW, max_num_batched_tokens=16)
+    llm = hybrid_llm(path, **BASE_KW, max_num_batched_tokens=16)
 
     def series(text: str, name: str) -> float:
         return float(re.search(rf"^tinyserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
@@ -302,5 +330,6 @@ def test_checkpoint_metrics_on_the_server(model):
     # The second prompt was clamped to 16 and saved at its branch point, 28.
     assert series(text, "prefix_cache_state_checkpoint_branch_saves_total") == 1
     assert series(text, "prefix_cache_state_checkpoint_branch_hits_total") == 0
+    assert series(text, "prefix_cache_state_checkpoint_borrows_total") == 0  # rows to spare
     assert 0 < series(text, "prefix_cache_hit_rate") < 1
     assert series(text, "prefix_cache_state_checkpoints_ready") >= 1

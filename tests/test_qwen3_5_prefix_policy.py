@@ -13,10 +13,13 @@ import random
 import pytest
 import test_qwen3_5_prefix as base
 from qwen3_5_helpers import hf_greedy
-from test_qwen3_5_prefix import BASE_KW, MAX_NEW, serve
+from test_qwen3_5_prefix import BASE_KW, MAX_NEW, hybrid_llm, serve
 
-from tinyserve import LLM
+from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.scheduler import Scheduler
+from tinyserve.core.sequence import Sequence
 from tinyserve.core.state_pool import HIT_CREDITS, StatePool
+from tinyserve.sampling_params import SamplingParams
 
 pytest.importorskip("transformers")
 model = base.model  # the fixture: a tiny checkpoint, a system prompt and three questions
@@ -33,7 +36,7 @@ def test_match_log_and_branch_counters(model, caplog):
     system-prompt blocks, is clamped to 16 (no save ended at 28) and recomputes 12 tokens up to
     the branch point, saving it; request 3 resumes there (a branch hit)."""
     path, hf, system, questions = model
-    llm = LLM(path, **BASE_KW, max_num_batched_tokens=16)
+    llm = hybrid_llm(path, **BASE_KW, max_num_batched_tokens=16)
     caplog.set_level(logging.DEBUG, logger="tinyserve.prefix")
     got, lines = [], []
     for q in questions:
@@ -54,11 +57,18 @@ def test_match_log_and_branch_counters(model, caplog):
 
 
 def test_match_log_says_evicted(model, caplog):
-    """A state budget of 1: request 1's save at 32 evicts its save at 16, a one-off prompt's
-    save evicts that; a prompt sharing request 1's first 33 tokens is clamped to 0, and the log
-    says the state after 32 was evicted."""
+    """A state budget of 1 and one sequence at a time (no idle slot to borrow while one runs):
+    request 1's save at 32 evicts its save at 16, a one-off prompt's save evicts that; a prompt
+    sharing request 1's first 33 tokens is clamped to 0, and the log says the state after 32
+    was evicted."""
     path, hf, system, questions = model
-    llm = LLM(path, **BASE_KW, max_num_batched_tokens=16, prefix_cache_state_budget=1)
+    llm = hybrid_llm(
+        path,
+        **BASE_KW,
+        max_num_batched_tokens=16,
+        prefix_cache_state_budget=1,
+        max_num_seqs=1,
+    )
     first = system + questions[0]
     serve(llm, first)
     serve(llm, questions[1] + questions[2])  # 18 tokens: saves at 16
@@ -75,12 +85,13 @@ def test_match_log_says_evicted(model, caplog):
 
 def test_match_log_without_checkpoint_slots(model, caplog):
     path, _, system, questions = model
-    llm = LLM(path, **BASE_KW, prefix_cache_state_budget=0)
+    llm = hybrid_llm(path, **BASE_KW, prefix_cache_state_budget=0)
+    llm.engine.scheduler.state_pool.checkpoint_base = None  # (no idle slot borrowed either)
     serve(llm, system + questions[0])
     caplog.set_level(logging.DEBUG, logger="tinyserve.prefix")
     serve(llm, system + questions[1])
     (line,) = match_lines(caplog)
-    assert "clamped to 0 (no state after 28: no checkpoint slots (state budget 0))" in line
+    assert "clamped to 0 (no state after 28: no checkpoint slots (state budget 0, " in line
 
 
 # -- eviction -----------------------------------------------------------------------------------
@@ -166,3 +177,57 @@ def test_credits_bounded_and_spent():
     pool.free(1)
     pool.free(2)
     pool.check_invariants([])
+
+
+# -- idle runtime slots hold checkpoints (borrowed) ---------------------------------------------
+
+
+def test_borrowed_slots_and_reclaim():
+    """No checkpoint rows: saves borrow idle runtime slots (id = slot - checkpoint_base, the
+    runner's row is the slot's); admissions reclaim them, a ready one first (its node keeps
+    why), then a pending one (marked for the scheduler to drop its save), and the checkpoint an
+    admission restores last (it restores onto itself)."""
+    pool = StatePool(3, 0, checkpoint_base=10)
+    assert pool.allocate(1) == 0
+    a = pool.take_checkpoint(1, 4)
+    b = pool.take_checkpoint(1, 8, decode=True)
+    assert (a, b) == (1 - 10, 2 - 10) and pool.borrowed == {1, 2}
+    assert pool.take_checkpoint(1, 12) is None  # both pending, no slot left to borrow
+    pool.attach(1, a, 5)
+    pool.check_invariants([1], {5})
+    assert pool.can_allocate(2) and pool.num_free_slots == 2  # (borrowed ones count)
+    assert pool.allocate(2) == 1 and pool.why_no_checkpoint(5) == "reclaimed by a running sequence"
+    assert pool.reclaimed == set() and pool.num_checkpoint_evictions == 1
+    assert pool.allocate(3) == 2  # the pending decode save goes, its save must not run
+    assert pool.reclaimed == {b} and 1 not in pool.pending and 1 not in pool.tails
+    pool.check_invariants([1, 2, 3], {5})
+    for seq in (1, 2, 3):
+        pool.free(seq)
+    pool.allocate(4)
+    ck = pool.take_checkpoint(4, 4)
+    pool.attach(4, ck, 6)
+    pool.free(4)
+    pool.allocate(5)
+    pool.allocate(6)  # slots 0 and 1 (the free ones); ck's slot is left
+    restored = pool.touch(6)
+    assert pool.allocate(7, keep=restored) == restored + 10 and not pool.borrowed
+    pool.check_invariants([5, 6, 7], {5, 6})
+    assert StatePool(1, 0).why_no_checkpoint(5).startswith("no checkpoint slots")
+
+
+def test_scheduler_drops_a_reclaimed_save():
+    """One step: prompt a's chunk ends on a block (its save borrows the idle slot), then
+    prompt b's admission reclaims that slot: the batch carries no save into it (the forward
+    writes b's state there before the save would read a's)."""
+    pool = BlockPool(16, 4)
+    states = StatePool(2, 0, checkpoint_base=3)
+    pool.states = states
+    sched = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=16, state_pool=states)
+    for i, n in enumerate((8, 5)):
+        prompt = [100 * i + j for j in range(n)]
+        sched.add(Sequence(i, str(i), 0, prompt, n, SamplingParams(), 0, 4))
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [8, 5] and batch.state_slots == [0, 1]
+    assert states.num_checkpoint_borrows == 1 and states.reclaimed == {1 - 3}
+    assert batch.state_saves == []
+    sched.check_invariants()

@@ -89,8 +89,9 @@ def engine_options(f):
             "--prefix-cache-state-budget",
             type=int,
             default=None,
-            help="Hybrid models (Qwen3.5): recurrent-state checkpoints kept for prefix hits "
-            "(default: max_num_seqs; 0: none, so no hits).",
+            help="Hybrid models (Qwen3.5): recurrent-state checkpoint rows kept for prefix "
+            "hits, beside idle sequence slots, which hold checkpoints until a request takes "
+            "them (default: max_num_seqs / 4; 0: idle slots only).",
         ),
         click.option(
             "--prefix-cache-decode-state-interval",

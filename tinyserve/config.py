@@ -52,8 +52,9 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None  # None = "cuda" if available else "cpu"
     enable_prefix_caching: bool = True
-    # Hybrid models: checkpoint slots for exact recurrent states at prefix-cache hit points
-    # (None: max_num_seqs; 0: no checkpoints, so no hits).
+    # Hybrid models: checkpoint rows for exact recurrent states at prefix-cache hit points,
+    # beside idle runtime slots, which hold checkpoints too until an admission takes them
+    # (None: max_num_seqs // 4, runner/states.py says why; 0: idle runtime slots only).
     prefix_cache_state_budget: int | None = None
     # Hybrid models: a decoding sequence saves its state every this many blocks (at block ends
     # that are multiples of it; 0: no decode saves, prompts still save at their chunk ends).

@@ -24,7 +24,8 @@ Speculative decoding: a decoding row carries its drafts (`seq.draft_ids`), so it
 what verification rejected after the step.
 
 Hybrid models (a `state_pool`): a sequence also holds a state slot (core/state_pool.py) from
-admission to finish, abort or preemption; admission waits for a free one, and a preempted
+admission to finish, abort or preemption; admission waits for a free one (or reclaims one that a
+checkpoint borrowed while idle: a save into it this step is dropped), and a preempted
 sequence's state is recomputed from its tokens when it is admitted again. With prefix caching,
 a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
 `state_saves`; a decode row only every `decode_interval` blocks), and a prefix hit resumes after
@@ -126,6 +127,8 @@ class Scheduler:
         self._nums: list[int] = []
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
+        if self.state_pool is not None:
+            self.state_pool.reclaimed.clear()
         # A sequence at its length limit is done; the overlapped loop learns it a step late.
         live = [s for s in self.running if not self._exhausted(s)]
         decoding = [s for s in live if s.num_uncomputed == 1]
@@ -162,7 +165,9 @@ class Scheduler:
         if self.state_pool is None:
             return ScheduledBatch(self._batch, self._nums)
         slots = [self.state_pool.owners[s.seq_id] for s in self._batch]
-        return ScheduledBatch(self._batch, self._nums, slots, self._restores, self._saves)
+        reclaimed = self.state_pool.reclaimed  # (their slots run a sequence from this step on)
+        saves = [(s, ck) for s, ck in self._saves if ck not in reclaimed]
+        return ScheduledBatch(self._batch, self._nums, slots, self._restores, saves)
 
     def _feed_lane(self, prefilling: list[Sequence]) -> None:
         """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
@@ -211,8 +216,14 @@ class Scheduler:
             self.pool.commit(seq)
 
     def _schedule_running(self, seq: Sequence) -> None:
-        if self._budget == 0 or seq.status is not SequenceStatus.RUNNING:
-            return  # out of budget, or preempted earlier in this step
+        if (
+            self._budget == 0
+            or seq.status is not SequenceStatus.RUNNING
+            or seq.last_scheduled_step == self.num_steps
+        ):
+            # Out of budget, or preempted earlier in this step, or scheduled already: a long
+            # prefill preempted in 2) and admitted again in 3) is still on the list of 4).
+            return
         uncomputed = seq.num_uncomputed
         shift = seq.num_unverified
         if uncomputed == 1 and not seq.draft_ids and not self.spec_lookahead and not shift:
@@ -254,10 +265,11 @@ class Scheduler:
         self.waiting.remove(seq)
         ck = None
         if self.state_pool is not None:
-            slot = self.state_pool.allocate(seq.seq_id)
             if matched:  # a hit: the checkpoint after the matched blocks into the slot
                 ck = self.state_pool.touch(seq.block_table[-1])
                 assert ck == self.pool.match_checkpoint
+            slot = self.state_pool.allocate(seq.seq_id, keep=ck)
+            if ck is not None:
                 self._restores.append((ck, slot))
         if self.pool.trie is not None and match_log.isEnabledFor(logging.DEBUG):
             self._log_match(seq, matched, branch, ck)
@@ -330,7 +342,7 @@ class Scheduler:
         states = self.state_pool
         if (
             states is not None
-            and states.num_checkpoints
+            and states.can_checkpoint
             and self.pool.trie is not None
             and end % self.pool.block_size == 0
             and not seq.draft_ids
@@ -398,4 +410,5 @@ class Scheduler:
         finished = {s for s, _ in self.lane if s.is_finished}  # blocks held till the lane ends
         self.pool.check_invariants([*self.running, *self.waiting, *finished])
         if self.state_pool is not None:  # a slot for each running sequence, no other
-            self.state_pool.check_invariants([s.seq_id for s in self.running])
+            cached = self.pool.trie.nodes if self.pool.trie is not None else None
+            self.state_pool.check_invariants([s.seq_id for s in self.running], cached)

@@ -15,8 +15,16 @@ block with a ready checkpoint; every copy runs in stream order, so a ready check
 always enqueued before any restore from it. Saves are taken at prompt chunk ends and, while a
 sequence decodes, at block ends that are multiples of `decode_interval` blocks (0: none); a
 decoding sequence keeps only its newest decode save (`tails`), where the next chat turn resumes.
-Invariant: every slot and every checkpoint is in exactly one state (runtime: free / owned;
-checkpoint: free / pending on one sequence / ready on one node).
+Idle runtime slots hold checkpoints too (with `checkpoint_base`, the runner's row of checkpoint
+0, known): a save with no free checkpoint row borrows a free runtime slot before it evicts a
+ready checkpoint, and an admission with no free slot reclaims a borrowed one, evicting its
+checkpoint (a ready one in eviction order; a pending one last, its save dropped if it is this
+step's: the forward would write the slot before the save read it; a save of an earlier step
+runs before, in stream order). A borrowed slot's checkpoint id is slot - checkpoint_base
+(negative), so that the runner's row for it, checkpoint_base + id, is the slot's own. Nothing
+here changes before an admission is sure to succeed, so a failed one has nothing to undo.
+Invariant: every slot and every checkpoint is in exactly one state (runtime: free / owned /
+borrowed; checkpoint: free / pending on one sequence / ready on one node).
 
 Eviction (a full budget, or the checkpoint's trie node evicted): least recently used first, with
 second chances for shared checkpoints. From its second hit on, each hit banks a credit (at most
@@ -45,6 +53,7 @@ class StatePool:
         num_checkpoints: int = 0,
         decode_interval: int = 4,
         hit_credits: int = HIT_CREDITS,
+        checkpoint_base: int | None = None,
     ) -> None:
         assert num_slots > 0 and num_checkpoints >= 0 and decode_interval >= 0
         self.num_slots = num_slots
@@ -55,6 +64,12 @@ class StatePool:
         self.owners: dict[int, int] = {}  # seq_id -> slot
         self.num_checkpoints = num_checkpoints
         self.free_checkpoints: list[int] = list(range(num_checkpoints - 1, -1, -1))
+        # The runner's row of checkpoint 0, past every runtime slot (None: unknown, so no slot
+        # is borrowed). Free runtime slots holding a checkpoint, and the borrowed ones an
+        # admission reclaimed this step while their save was pending (see `allocate`).
+        self.checkpoint_base = checkpoint_base
+        self.borrowed: set[int] = set()
+        self.reclaimed: set[int] = set()
         # seq_id -> [(position, checkpoint)]: saved, its block not committed yet
         self.pending: dict[int, list[tuple[int, int]]] = {}
         self.ready: OrderedDict[int, int] = OrderedDict()  # checkpoint -> block id, LRU first
@@ -72,25 +87,56 @@ class StatePool:
         self.lost: dict[int, str] = {}
         self.num_checkpoint_saves = self.num_checkpoint_hits = self.num_checkpoint_evictions = 0
         self.num_checkpoint_branch_saves = self.num_checkpoint_branch_hits = 0
+        self.num_checkpoint_borrows = 0  # saves into an idle runtime slot
 
     @property
     def num_free_slots(self) -> int:
-        return len(self.free_slots)
+        """Slots an admission can take: free ones and borrowed ones (reclaimed)."""
+        return len(self.free_slots) + len(self.borrowed)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_slots / self.num_slots
 
-    def can_allocate(self, num: int = 1) -> bool:
-        return num <= len(self.free_slots)
+    @property
+    def can_checkpoint(self) -> bool:
+        return bool(self.num_checkpoints) or self.checkpoint_base is not None
 
-    def allocate(self, seq_id: int) -> int:
-        """The slot of a sequence being admitted; the caller checks `can_allocate` first."""
-        assert self.free_slots, "state pool full: the caller must check can_allocate first"
+    def can_allocate(self, num: int = 1) -> bool:
+        return num <= self.num_free_slots
+
+    def allocate(self, seq_id: int, keep: int | None = None) -> int:
+        """The slot of a sequence being admitted; the caller checks `can_allocate` first. A
+        free one, else a borrowed one is reclaimed and its checkpoint goes: a ready one, in
+        eviction order, `keep` (the one this admission restores: it then restores onto itself)
+        last; else a pending one, whose save the scheduler drops if it is this step's."""
+        assert self.num_free_slots, "state pool full: the caller must check can_allocate first"
         assert seq_id not in self.owners, f"sequence {seq_id} already holds a state slot"
-        slot = self.free_slots.pop()
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            ck = self._reclaim(keep)
+            slot = ck + self.checkpoint_base
+            self.borrowed.remove(slot)
         self.owners[seq_id] = slot
         return slot
+
+    def _reclaim(self, keep: int | None) -> int:
+        """A borrowed slot's checkpoint, given up for an admission (see `allocate`)."""
+        self.num_checkpoint_evictions += 1
+        borrowed = {ck for ck in self.ready if ck < 0 and ck != keep}
+        if borrowed or (keep is not None and keep < 0):
+            ck = self._victim(borrowed) if borrowed else keep
+            self._unready(ck, "reclaimed by a running sequence")
+            return ck
+        # Every borrowed slot is pending then.
+        seq_id, ck = next((i, c) for i, saves in self.pending.items() for _, c in saves if c < 0)
+        self._drop_pending_one(seq_id, ck)
+        if self.tails.get(seq_id, (None,))[0] == ck:
+            del self.tails[seq_id]
+        self.branch_points.discard(ck)
+        self.reclaimed.add(ck)
+        return ck
 
     def slot_of(self, seq_id: int) -> int | None:
         return self.owners.get(seq_id)
@@ -101,6 +147,11 @@ class StatePool:
         assert slot is not None, f"sequence {seq_id} holds no state slot (double free?)"
         self.free_slots.append(slot)
         self.drop_pending(seq_id)
+
+    def _ck_of_slot(self, slot: int) -> int:
+        """A borrowed runtime slot's checkpoint id: negative, so that the runner's row for it,
+        checkpoint_base + id, is the slot's own row."""
+        return slot - self.checkpoint_base
 
     def may_free(self, seq_id: int) -> None:
         """free(seq_id) if it holds a slot (an abort may come before admission)."""
@@ -129,8 +180,13 @@ class StatePool:
             self._unready(ck, "replaced by a later decode save")
         elif self.free_checkpoints:
             ck = self.free_checkpoints.pop()
+        elif self.free_slots and self.checkpoint_base is not None:  # borrow an idle slot
+            slot = self.free_slots.pop()
+            self.borrowed.add(slot)
+            ck = self._ck_of_slot(slot)
+            self.num_checkpoint_borrows += 1
         elif self.ready:
-            ck = self._victim()
+            ck = self._victim(self.ready)
             self._unready(ck, "evicted")
             self.num_checkpoint_evictions += 1
         else:
@@ -144,13 +200,13 @@ class StatePool:
             self.num_checkpoint_branch_saves += 1
         return ck
 
-    def _victim(self) -> int:
-        """The ready checkpoint to evict: the least recently used one without credits; one
-        with credits spends one and goes to the most recent end instead (a second chance).
-        Ends: each pass spends a credit, and credits come from hits."""
+    def _victim(self, candidates) -> int:
+        """The ready checkpoint among `candidates` (ready ones) to evict: the least recently
+        used one without credits; one with credits spends one and goes to the most recent end
+        instead (a second chance). Ends: each pass spends a credit, and credits come from hits."""
         ready, credits = self.ready, self.credits
         while True:
-            ck = next(iter(ready))
+            ck = next(c for c in ready if c in candidates)
             left = credits.pop(ck, 0)
             if not left:
                 return ck
@@ -171,7 +227,12 @@ class StatePool:
 
     def _free_checkpoint(self, ck: int) -> None:
         self.branch_points.discard(ck)
-        self.free_checkpoints.append(ck)
+        if ck < 0:  # a borrowed slot: free for admissions again
+            slot = ck + self.checkpoint_base
+            self.borrowed.remove(slot)
+            self.free_slots.append(slot)
+        else:
+            self.free_checkpoints.append(ck)
 
     def pending_of(self, seq_id: int) -> list[tuple[int, int]]:
         return self.pending.get(seq_id, [])
@@ -179,10 +240,7 @@ class StatePool:
     def attach(self, seq_id: int, ck: int, block_id: int) -> None:
         """Pending checkpoint `ck` ends committed trie block `block_id`: ready. A block that has
         one already (the same prefix saved twice) keeps it, and `ck` is freed."""
-        entries = self.pending[seq_id]
-        entries.remove(next(e for e in entries if e[1] == ck))
-        if not entries:
-            del self.pending[seq_id]
+        self._drop_pending_one(seq_id, ck)
         if block_id in self.checkpoint_of:
             self._free_checkpoint(ck)
             return
@@ -191,6 +249,12 @@ class StatePool:
         self.ready[ck] = block_id
         self.checkpoint_of[block_id] = ck
         self.lost.pop(block_id, None)
+
+    def _drop_pending_one(self, seq_id: int, ck: int) -> None:
+        entries = self.pending[seq_id]
+        entries.remove(next(e for e in entries if e[1] == ck))
+        if not entries:
+            del self.pending[seq_id]
 
     def drop_pending(self, seq_id: int) -> None:
         """A sequence stopped before its saves' blocks were committed: free those (its last
@@ -229,8 +293,8 @@ class StatePool:
 
     def why_no_checkpoint(self, block_id: int) -> str:
         """Why cached block `block_id` has no ready checkpoint (the match log's reason)."""
-        if not self.num_checkpoints:
-            return "no checkpoint slots (state budget 0)"
+        if not self.can_checkpoint:
+            return "no checkpoint slots (state budget 0, no idle slot borrowed)"
         return self.lost.get(block_id) or "no save ended there"
 
     def check_invariants(self, live_seq_ids: list[int] | None = None, cached_blocks=None) -> None:
@@ -243,7 +307,8 @@ class StatePool:
         owned = list(self.owners.values())
         assert len(set(owned)) == len(owned), "a slot owned by two sequences"
         assert not free & set(owned), "an owned slot is also free"
-        assert free | set(owned) == set(range(self.num_slots)), "a slot leaked"
+        assert not (free | set(owned)) & self.borrowed, "a borrowed slot is also free or owned"
+        assert free | set(owned) | self.borrowed == set(range(self.num_slots)), "a slot leaked"
         if live_seq_ids is not None:
             assert set(self.owners) == set(live_seq_ids), "slot owners != live sequences"
         assert set(self.pending) <= set(self.owners), "a stopped sequence keeps pending saves"
@@ -251,7 +316,9 @@ class StatePool:
         pending = [ck for entries in self.pending.values() for _, ck in entries]
         every = self.free_checkpoints + pending + list(self.ready)
         assert len(every) == len(set(every)), "a checkpoint in two places"
-        assert set(every) == set(range(self.num_checkpoints)), "a checkpoint leaked"
+        borrowed = {self._ck_of_slot(s) for s in self.borrowed}
+        assert set(every) == set(range(self.num_checkpoints)) | borrowed, "a checkpoint leaked"
+        assert all(ck >= 0 for ck in self.free_checkpoints), "a borrowed slot on the free list"
         assert {b: c for c, b in self.ready.items()} == self.checkpoint_of, "node map drifted"
         assert self.branch_points <= set(pending) | set(self.ready), "a free branch point"
         assert set(self.credits) <= set(self.hits) <= set(self.ready), "hits of a non-ready"

@@ -7,6 +7,7 @@ Slot layout (one row of every DeltaNet layer's conv window and recurrent matrix 
   max_num_seqs        scratch: CUDA-graph padding rows and warm-up steps read zeros and write here
   after it            speculative engines only: one slot per token a verify step keeps
   checkpoint_base + c prefix caching: checkpoint c (core/state_pool.py), `checkpoint_budget` rows
+                      (a negative c = slot - checkpoint_base: an idle runtime slot it borrowed)
 A speculative step (any row carrying drafts) runs every DeltaNet layer token by token and writes
 the state after each kept token to its own scratch slot, the sequences' slots only read; then
 `commit_token_states` copies, on the device, the state after each row's last accepted token (a
@@ -56,12 +57,17 @@ def num_state_slots(
 
 
 def checkpoint_budget(config: EngineConfig) -> int:
-    """Checkpoint rows: `prefix_cache_state_budget` (None: max_num_seqs); none without
-    prefix caching."""
+    """Checkpoint rows: `prefix_cache_state_budget`; none without prefix caching. The default
+    is a quarter of max_num_seqs (at least 1). A checkpoint row costs what a runtime slot does
+    (49 MiB on Qwen3.5-9B: the KV of ~1.6k tokens), so max_num_seqs of them doubled the state
+    rows' memory: 12 GiB at 256 sequences, about a third of what an 80 GB H100 leaves the KV
+    cache after the 9B's weights, its forward and the runtime slots (an estimate). Idle runtime
+    slots hold checkpoints too (borrowed: core/state_pool.py), so the dedicated rows count
+    under full load, for what eviction keeps there: shared prompts and recent chat turns."""
     if not config.enable_prefix_caching:
         return 0
     budget = config.prefix_cache_state_budget
-    return config.max_num_seqs if budget is None else budget
+    return max(1, config.max_num_seqs // 4) if budget is None else budget
 
 
 def state_pool_size(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:

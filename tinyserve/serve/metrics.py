@@ -130,6 +130,10 @@ class _CheckpointCollector:
             "State checkpoints saved at a branch point (where a clamped hit's recompute ended).",
         ),
         ("branch_hits", "Prefix hits resumed from a branch-point checkpoint."),
+        (
+            "borrows",
+            "State checkpoints saved in an idle sequence slot (until an admission takes it).",
+        ),
     )
 
     def __init__(self, state_pool, values: list[str]) -> None:
