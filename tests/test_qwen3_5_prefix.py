@@ -88,13 +88,17 @@ def test_shared_system_prompt(model, budget, overlap):
 
 @pytest.mark.parametrize("state_budget", [1, None])
 def test_second_chat_turn(model, state_budget):
-    """Turn 2 = turn 1's prompt + answer + a new message: it resumes at the last block end
-    turn 1's decode saved (a state budget of 1 is enough: one conversation). A 5-token prompt
-    admitted first takes the slot turn 1 left (its final state), so turn 2's slot holds
-    nothing but the restored checkpoint."""
+    """Turn 2 = turn 1's prompt + answer + a new message: with a decode save every block it
+    resumes at the last full block before the new message (a state budget of 1 is enough: one
+    conversation). A 5-token prompt admitted first takes the slot turn 1 left (its final state),
+    so turn 2's slot holds nothing but the restored checkpoint."""
     path, hf, system, questions = model
     llm = hybrid_llm(
-        path, **BASE_KW, max_num_batched_tokens=16, prefix_cache_state_budget=state_budget
+        path,
+        **BASE_KW,
+        max_num_batched_tokens=16,
+        prefix_cache_state_budget=state_budget,
+        prefix_cache_decode_state_interval=1,
     )
     turn1 = system + questions[0]
     answer, _ = serve(llm, turn1, 12)
@@ -103,15 +107,41 @@ def test_second_chat_turn(model, state_budget):
     assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
     assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
     # Turn 1 computed KV for all but its last token: its last block end before that.
-    assert cached == (len(turn1) + len(answer) - 1) // BS * BS
+    assert cached == (len(turn1) + len(answer) - 1) // BS * BS == 48
+
+
+@pytest.mark.parametrize(
+    "prompt_len,chunk,num_answer,want",
+    [
+        (39, 64, 3, 40),  # one chunk ending mid-block (no save), 3 answered: 40 (KV to 41)
+        (5, 64, 4, 8),  # a prompt shorter than a block: 8 (KV to 8)
+        (40, 64, 9, 40),  # a block-aligned prompt: its chunk end (the next decode save is 56)
+        (39, 64, 1, 0),  # the answer stopped inside the prompt's block: nothing to resume at
+        (39, 16, 1, 32),  # ... but the prompt's last chunk end
+    ],
+)
+def test_next_turn_resumes_past_the_prompt(model, prompt_len, chunk, num_answer, want):
+    """The default decode interval (4 blocks) with short answers: a prompt ending mid-block is
+    not saved there, but the block it ends in is once the answer completes it, so turn 2
+    resumes at or past where turn 1's prompt ended, whatever its length (in the first two
+    cases at the last full block before the new message)."""
+    path, hf, system, questions = model
+    llm = hybrid_llm(path, **BASE_KW, max_num_batched_tokens=chunk)
+    turn1 = (system + questions[0] + questions[1])[:prompt_len]
+    answer, _ = serve(llm, turn1, num_answer)
+    turn2 = turn1 + answer + questions[2]
+    got, cached = serve(llm, turn2)
+    assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
+    assert cached == want
 
 
 @pytest.mark.parametrize("interval", [0, 1, 5])
 def test_decode_state_interval(model, interval):
-    """prefix_cache_decode_state_interval: decode saves at block ends that are multiples of
-    `interval` blocks (0: none). Turn 1 (39 prompt tokens in 16-token chunks, 12 answered)
-    saves at its chunk end 32 and, decoding, at the block ends 40 / 44 / 48 the interval
-    picks; turn 2 resumes at the deepest. Tokens stay transformers' whatever the interval."""
+    """prefix_cache_decode_state_interval: decode saves at the end of the block the prompt ends
+    in, then every `interval` blocks (0: none). Turn 1 (39 prompt tokens in 16-token chunks, 12
+    answered) saves at its chunk end 32 and, decoding, at the block ends 40 / 44 / 48 the
+    interval picks; turn 2 resumes at the deepest. Tokens stay transformers' whatever the
+    interval."""
     path, hf, system, questions = model
     llm = hybrid_llm(
         path,
@@ -125,7 +155,7 @@ def test_decode_state_interval(model, interval):
     got, cached = serve(llm, turn2)
     assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
     assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
-    decode_ends = [e for e in (40, 44, 48) if interval and (e // BS) % interval == 0]
+    decode_ends = [e for e in (40, 44, 48) if interval and (e - 40) // BS % interval == 0]
     assert cached == max([32, *decode_ends]) == {0: 32, 1: 48, 5: 40}[interval]
 
 
@@ -154,7 +184,7 @@ def test_state_budget_0(model, borrow):
     assert [t for t, _ in got] == [
         hf_greedy(hf, system + q, MAX_NEW)[SYSTEM + SUFFIX :] for q in questions
     ]
-    assert len(states.borrowed) == borrow and states.num_checkpoints == 0
+    assert bool(states.borrowed) == borrow and states.num_checkpoints == 0
 
 
 def test_concurrent_requests_and_evictions(model):

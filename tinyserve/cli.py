@@ -98,8 +98,9 @@ def engine_options(f):
             type=int,
             default=4,
             show_default=True,
-            help="Hybrid models: a decoding sequence saves its state every this many KV "
-            "blocks, where the next chat turn resumes (0: no decode saves).",
+            help="Hybrid models: a decoding sequence saves its state at the end of the KV "
+            "block its prompt ends in, then every this many blocks: where the next chat turn "
+            "resumes (0: no decode saves).",
         ),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (debugging)."),
         click.option(

@@ -56,11 +56,11 @@ class EngineConfig:
     # beside idle runtime slots, which hold checkpoints too until an admission takes them
     # (None: max_num_seqs // 4, runner/states.py says why; 0: idle runtime slots only).
     prefix_cache_state_budget: int | None = None
-    # Hybrid models: a decoding sequence saves its state every this many blocks (at block ends
-    # that are multiples of it; 0: no decode saves, prompts still save at their chunk ends).
-    # A saved block end is where the next chat turn (prompt + answer + new message) resumes:
-    # 4 loses at most 3 blocks (48 tokens) of recompute a turn and copies a quarter of the
-    # state bytes that saving every block does (~50 MiB a save on Qwen3.5-9B).
+    # Hybrid models: a decoding sequence saves its state at the end of the block its prompt
+    # ends in, then every this many blocks (0: no decode saves; prompts still save at their
+    # chunk ends). A saved block end is where the next chat turn (prompt + answer + new
+    # message) resumes: 4 loses at most 3 blocks (48 tokens) of recompute a turn and copies a
+    # quarter of the state bytes that saving every block does (~50 MiB a save on Qwen3.5-9B).
     prefix_cache_decode_state_interval: int = 4
     enforce_eager: bool = False  # True: no CUDA graphs (debugging, and the graphs-off test)
     # The overlapped step loop: step N+1 is launched before step N's tokens reach the host

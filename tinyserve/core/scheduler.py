@@ -358,12 +358,14 @@ class Scheduler:
 
     def _may_save(self, seq: Sequence, end: int, branch: bool) -> None:
         """A checkpoint of `seq`'s state after `end` tokens (a block end), if the policy wants
-        one there: every prompt chunk end; in decode, every `decode_interval` blocks."""
+        one there: every prompt chunk end; in decode, the end of the block the prompt ends in
+        and every `decode_interval` blocks after it (core/state_pool.py says why)."""
         states = self.state_pool
         decode = seq.num_kv_computed >= seq.num_prompt_tokens
         if decode:
-            interval = states.decode_interval
-            if not interval or (end // self.pool.block_size) % interval:
+            bs, interval = self.pool.block_size, states.decode_interval
+            first = -(-seq.num_prompt_tokens // bs) * bs
+            if not interval or (end - first) // bs % interval:
                 return
         ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
         if ck is not None:
