@@ -17,6 +17,8 @@ from tinyserve.bench import plot
 from tinyserve.bench.common import SHAPES, git_commit
 from tinyserve.bench.cpu import bench_cpu
 from tinyserve.bench.e2e import bench_e2e
+from tinyserve.bench.hybrid_prefix import WORKLOADS as HYBRID_WORKLOADS
+from tinyserve.bench.hybrid_prefix import bench_hybrid_prefix
 from tinyserve.bench.kernels import bench_kernels
 from tinyserve.bench.memory import bench_memory
 from tinyserve.bench.pool import bench_pool
@@ -39,6 +41,14 @@ Workloads:
   prefix  prefix caching on vs off (shared prefix, no sharing; --repeats fresh sets) and the
         long-context interleaving run (--long-budget; 0 skips it: streams decode, a long prompt
         arrives, then decodes beside them). --small: the CPU sizes.
+  hybrid-prefix  a hybrid model's prefix cache (Qwen3.5: resumes from recurrent-state
+        checkpoints) on vs off, a row per workload and setting with the hit rate measured and
+        its block-granular ideal, TTFT median / p99, throughput (--prefix-workloads): shared
+        (16 groups x 32 requests, 2,048-token system prompts; also with no decode checkpoint
+        saves: their cost on decode throughput), multiturn (64 chats x 4 turns, each turn
+        prompt + answer + a new message), suffix (a 2,048-token prompt + 64 distinct 400-token
+        suffixes), suffix-mtp (the same with MTP, k=1; a named shape's -mtp variant).
+        --small: the CPU sizes; --model DIR: e.g. a tiny random Qwen3.5 checkpoint.
   spec  speculative decoding: n-gram on edit prompts (CPU), or MTP on --model mimo-7b with
         acceptance forced to 0..k (GPU).
   pool  the block pool's host cost per KV block, prefix caching on vs off, and the objects the
@@ -63,6 +73,7 @@ WORKLOADS = {
     "cpu": bench_cpu,
     "kernels": bench_kernels,
     "prefix": bench_prefix,
+    "hybrid-prefix": bench_hybrid_prefix,
     "e2e": bench_e2e,
     "serve": bench_serve,
     "spec": bench_spec,
@@ -128,8 +139,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--compare-hf", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default="bench-results")
-    p.add_argument("--small", action="store_true", help="prefix: the CPU sizes")
-    p.add_argument("--max-num-seqs", type=int, default=512, help="prefix: the engine's cap")
+    p.add_argument("--small", action="store_true", help="prefix, hybrid-prefix: the CPU sizes")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=512, help="prefix, hybrid-prefix: the engine's cap"
+    )
+    p.add_argument(
+        "--prefix-workloads",
+        nargs="+",
+        choices=HYBRID_WORKLOADS,
+        default=list(HYBRID_WORKLOADS),
+        help="hybrid-prefix: which workloads",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="hybrid-prefix: the step's token budget (default: the engine's per device)",
+    )
+    p.add_argument(
+        "--prefix-cache-state-budget",
+        type=int,
+        default=None,
+        help="hybrid-prefix: checkpoint rows of the cache-on runs (default: the engine's)",
+    )
+    p.add_argument(
+        "--prefix-cache-decode-state-interval",
+        type=int,
+        default=None,
+        help="hybrid-prefix: decode saves every this many blocks in the cache-on run (default: "
+        "the engine's; the on_no_decode_saves run uses 0)",
+    )
     p.add_argument(
         "--repeats",
         type=int,

@@ -196,6 +196,12 @@ SHAPES = {  # published HF configs of the benchmark models, for dummy weights in
     ),
 }
 
+# The Qwen3.5 shapes with one MTP layer (`mtp_num_hidden_layers: 1`): dummy loading then builds
+# its weights, which speculative_method="mtp" needs (the shapes above have none: refused).
+SHAPES |= {
+    f"{n}-mtp": dict(SHAPES[n], mtp_num_hidden_layers=1) for n in ("qwen3.5-0.8b", "qwen3.5-9b")
+}
+
 
 def resolve_model(name: str | None) -> tuple[str, str]:
     """(directory, load_format): a named shape becomes a config-only directory with dummy

@@ -1,6 +1,6 @@
-"""Driving an engine in-process for a benchmark: requests arriving on a schedule (`drive`),
-offline `generate` runs timed after a warm-up (`run_offline`), the steady decode step
-(`steady_step_ms`), and the server's GC setup (`as_served`) undone by `free_gpu`."""
+"""Driving an engine in-process for a benchmark: requests arriving on a schedule or in a closed
+loop (`drive`), offline `generate` runs timed after a warm-up (`run_offline`), the steady decode
+step (`steady_step_ms`), and the server's GC setup (`as_served`) undone by `free_gpu`."""
 
 from __future__ import annotations
 
@@ -9,24 +9,38 @@ import time
 import torch
 
 
-def drive(engine, arrivals: list[tuple[float, str, list[int], object]]) -> dict:
+def drive(engine, arrivals: list[tuple[float, str, list[int], object]], then=None) -> dict:
     """Step the engine over requests arriving at given offsets (seconds); per request: arrival,
-    first-token time and every token's time (for TTFT and inter-token latency)."""
+    first-token time and every token's time (for TTFT and inter-token latency), its prompt, its
+    output ids and the prompt tokens the prefix cache served (`cached`). `then(rid, output_ids)`,
+    if given, is called as each request finishes and returns (rid, ids, params) to add at once:
+    a closed loop, such as a chat whose next turn is sent when the answer is complete."""
     pending = sorted(arrivals, key=lambda a: a[0])
     stats: dict[str, dict] = {}
     t0 = time.perf_counter()
+
+    def add(rid: str, ids: list[int], params, now: float) -> None:
+        engine.add_request(rid, ids, params)
+        stats[rid] = {"arrival": now, "times": [], "prompt": ids, "ids": [], "cached": 0}
+
     while pending or engine.has_unfinished():
         now = time.perf_counter() - t0
         while pending and pending[0][0] <= now:
             _, rid, ids, params = pending.pop(0)
-            engine.add_request(rid, ids, params)
-            stats[rid] = {"arrival": now, "times": []}
+            add(rid, ids, params, now)
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
         for d in engine.step():
             t = time.perf_counter() - t0
-            stats[d.request_id]["times"] += [t] * sum(len(o.token_ids) for o in d.outputs)
+            st = stats[d.request_id]
+            new = [i for o in d.outputs for i in o.token_ids]
+            st["times"] += [t] * len(new)
+            st["ids"] += new
+            st["cached"] = d.num_cached_tokens
+            if d.finished and then is not None:
+                for rid, ids, params in then(d.request_id, st["ids"]):
+                    add(rid, ids, params, t)
     stats["_elapsed"] = time.perf_counter() - t0
     return stats
 
