@@ -9,9 +9,7 @@ unlimited, in the synchronous and the overlapped loop.
 
 from __future__ import annotations
 
-import inspect
 import random
-import textwrap
 
 import pytest
 import torch
@@ -20,42 +18,15 @@ from qwen3_5_helpers import BASE, FULL, LIN, add_mtp_weights, hf_greedy, make_ch
 from spec_helpers import traced
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.engine import llm_engine
 from tinyserve.model.config import ModelConfig, UnsupportedModel
 from tinyserve.model.layers.attention import forward_context
 from tinyserve.model.loader import load_model
-from tinyserve.runner import model_runner, states
 
 transformers = pytest.importorskip("transformers")
 
 BS = 4
 BASE_KW = dict(dtype="float32", device="cpu", block_size=BS, num_kv_blocks=128)
 SYSTEM, SUFFIX, MAX_NEW = 30, 7, 16  # the system prompt: 7 full blocks and 2 tokens
-
-
-def _lifted(owner, name: str, module, old: str, new: str):
-    """`owner.name` re-made from its source with `old` replaced (None: `old` is gone)."""
-    src = textwrap.dedent(inspect.getsource(getattr(owner, name)))
-    if old not in src:
-        return None
-    scope: dict = {}
-    exec(compile(src.replace(old, new), module.__file__, "exec"), vars(module), scope)
-    return scope[name]
-
-
-@pytest.fixture(autouse=True)
-def mtp_on_hybrid(monkeypatch):
-    """Until engine/llm_engine.py and runner/states.py allow it (then this is a no-op): the
-    engine without its refusal of MTP on hybrid models, and a speculative engine's per-token
-    state slots for MTP as for n-gram."""
-    init = _lifted(
-        llm_engine.LLMEngine, "__init__", llm_engine, 'config.speculative_method == "mtp"', "0"
-    )
-    if init is not None:
-        monkeypatch.setattr(llm_engine.LLMEngine, "__init__", init)
-    size = _lifted(states, "state_pool_size", states, '== "ngram"', "is not None")
-    if size is not None:
-        monkeypatch.setattr(model_runner, "state_pool_size", size)
 
 
 # -- a torch reference from the published op order ----------------------------------------------

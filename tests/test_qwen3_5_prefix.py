@@ -39,13 +39,13 @@ def model(tmp_path_factory):
 
 
 def hybrid_llm(path: str, **kwargs) -> LLM:
-    """An LLM whose StatePool has what LLMEngine does not pass it yet: the config's decode save
-    interval, and the runner's row of checkpoint 0 (so that idle runtime slots are borrowed)."""
+    """An LLM whose StatePool got the config's decode save interval and the runner's row of
+    checkpoint 0 (so that idle runtime slots are borrowed) from the engine."""
     llm = LLM(path, **kwargs)
     engine = llm.engine
     states = engine.scheduler.state_pool
-    states.decode_interval = engine.config.prefix_cache_decode_state_interval
-    states.checkpoint_base = engine.runner.checkpoint_base
+    assert states.decode_interval == engine.config.prefix_cache_decode_state_interval
+    assert states.checkpoint_base == engine.runner.checkpoint_base
     return llm
 
 

@@ -77,7 +77,14 @@ class LLMEngine:
         )
         # Hybrid models: runtime state slots, and the checkpoints prefix hits resume from.
         states = (
-            StatePool(config.max_num_seqs, self.runner.num_checkpoints) if self.is_hybrid else None
+            StatePool(
+                config.max_num_seqs,
+                self.runner.num_checkpoints,
+                decode_interval=config.prefix_cache_decode_state_interval,
+                checkpoint_base=self.runner.checkpoint_base,
+            )
+            if self.is_hybrid
+            else None
         )
         self.pool.states = states if config.enable_prefix_caching else None
         capacity = self.pool.num_blocks * config.block_size

@@ -75,7 +75,8 @@ def state_pool_size(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) -
     DeltaNet layers."""
     if "linear_attention" not in mc.layer_types:
         return 0, 0
-    k = config.num_speculative_tokens if config.speculative_method == "ngram" else None
+    # A speculative engine (n-gram or MTP) keeps each verified token's state in rows of its own.
+    k = config.num_speculative_tokens if config.speculative_method is not None else None
     num = num_state_slots(config.max_num_seqs, k, config.max_num_batched_tokens)
     num += checkpoint_budget(config)
     return num, num * state_bytes_per_slot(mc, dtype, getattr(torch, mc.ssm_state_dtype))
