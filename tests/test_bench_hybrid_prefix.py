@@ -4,7 +4,6 @@ and at most their block-granular ideal; and that ideal (`ideal_hits`) on hand-ma
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -14,7 +13,6 @@ from qwen3_5_helpers import add_mtp_weights, make_checkpoint
 
 from tinyserve.bench import cli, hybrid_prefix
 from tinyserve.bench.hybrid_prefix import ideal_hits
-from tinyserve.runner import model_runner
 
 pytest.importorskip("transformers")
 
@@ -47,25 +45,7 @@ def one_thread():
     torch.set_num_threads(num)
 
 
-@pytest.fixture
-def mtp_state_slots(monkeypatch):
-    """Until runner/states.py sizes a hybrid MTP engine's per-token state slots as n-gram's
-    (else the runner's assert refuses MTP on hybrid models): the n-gram sizing (a no-op then)."""
-    size = model_runner.state_pool_size
-
-    def with_mtp(mc, config, dtype):
-        if config.speculative_method == "mtp":
-            config = dataclasses.replace(
-                config, speculative_method="ngram", speculative_token_map=None
-            )
-        return size(mc, config, dtype)
-
-    monkeypatch.setattr(model_runner, "state_pool_size", with_mtp)
-
-
-def test_rows_on_a_tiny_checkpoint(
-    checkpoint, tmp_path, monkeypatch, mtp_state_slots, one_thread, capsys
-):
+def test_rows_on_a_tiny_checkpoint(checkpoint, tmp_path, monkeypatch, one_thread, capsys):
     monkeypatch.setitem(hybrid_prefix.SIZES, True, TINY)
     # Decode saves at every block end (the engine's 4 would take none in 12 tokens).
     argv = ["hybrid-prefix", "--small", "--model", checkpoint, "--out", str(tmp_path)]

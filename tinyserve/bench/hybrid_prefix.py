@@ -162,16 +162,6 @@ def mtp_model(name: str | None) -> str | None:
     return f"{name}-mtp" if f"{name}-mtp" in SHAPES else name
 
 
-def wire_states(engine) -> None:
-    """What LLMEngine does not hand its StatePool yet (a no-op once it does): the configured
-    decode save interval (else always 4) and the runner's row of checkpoint 0 (idle runtime slots
-    then hold checkpoints too), as tests/test_qwen3_5_prefix.py's `hybrid_llm` does."""
-    states = engine.scheduler.state_pool
-    if states is not None and engine.pool.trie is not None:
-        states.decode_interval = engine.config.prefix_cache_decode_state_interval
-        states.checkpoint_base = engine.runner.checkpoint_base
-
-
 def engine_kwargs(args, setting: str, mtp: bool) -> dict:
     kw: dict = dict(enable_prefix_caching=setting != "off")
     if setting != "off" and args.prefix_cache_state_budget is not None:
@@ -219,7 +209,6 @@ def bench_hybrid_prefix(args) -> dict:
             **engine_kwargs(args, setting, mtp),
         )
         engine, tag = llm.engine, setting + "-mtp" * mtp
-        wire_states(engine)
         rand_ids = id_sampler(rng, engine.model_config.vocab_size)
         if sets is None:  # drawn once: every run serves the same prompts
             sets = workloads(size, args.prefix_workloads, rand_ids, rng)
