@@ -131,3 +131,20 @@ def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0].tolist()
+
+
+def eager_decode_graphs(llm) -> None:
+    """Give `llm`'s runner decode graphs that replay eagerly (capture=False): the graph-step
+    path on the CPU, with the hybrid model's state inputs."""
+    from tinyserve.runner.graphs import DecodeGraphs
+
+    r = llm.engine.runner
+    r.graphs = DecodeGraphs(
+        r.model,
+        r.config.max_num_seqs,
+        r.max_blocks_per_seq,
+        r.num_kv_blocks,
+        r.block_size,
+        capture=False,
+        state_scratch=r.state_scratch,
+    )

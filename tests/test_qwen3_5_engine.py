@@ -14,7 +14,7 @@ import logging
 import random
 
 import pytest
-from qwen3_5_helpers import hf_greedy, make_checkpoint
+from qwen3_5_helpers import eager_decode_graphs, hf_greedy, make_checkpoint
 
 from tinyserve import LLM, AsyncEngine, SamplingParams
 from tinyserve.model.config import UnsupportedModel
@@ -123,22 +123,11 @@ def test_decode_graph_path(checkpoints, overlap):
     """The runner's decode-graph path on the CPU (DecodeGraphs with capture=False replays its
     static-buffer forward eagerly): state slots as graph inputs, padded rows on the scratch
     slot (4 rows pad to 4, 3 to 4: one padded row)."""
-    from tinyserve.runner.graphs import DecodeGraphs
-
     path, prompts, want = checkpoints["published_tied"]
     llm = LLM(path, **BASE_KW, max_num_seqs=8, async_scheduling=overlap)
-    r = llm.engine.runner
-    r.graphs = DecodeGraphs(
-        r.model,
-        r.config.max_num_seqs,
-        r.max_blocks_per_seq,
-        r.num_kv_blocks,
-        r.block_size,
-        capture=False,
-        state_scratch=r.state_scratch,
-    )
+    eager_decode_graphs(llm)
     assert run(llm, prompts, len(want[0]))[0] == want
-    assert r.graphs.num_replays >= len(want[0]) - 1
+    assert llm.engine.runner.graphs.num_replays >= len(want[0]) - 1
 
 
 def test_abort_frees_the_slot(checkpoints):

@@ -14,7 +14,16 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from qwen3_5_helpers import BASE, FULL, LIN, add_mtp_weights, hf_greedy, make_checkpoint, randomize_
+from qwen3_5_helpers import (
+    BASE,
+    FULL,
+    LIN,
+    add_mtp_weights,
+    eager_decode_graphs,
+    hf_greedy,
+    make_checkpoint,
+    randomize_,
+)
 from spec_helpers import traced
 
 from tinyserve import LLM, SamplingParams
@@ -275,8 +284,6 @@ def test_decode_graph_steps_draft_eagerly(expected, overlap):
     a step whose rows carry no drafts (the last tokens a request may emit) replays a decode
     graph (replayed eagerly on the CPU, state slots as graph inputs) and the MTP layer drafts
     after it from the graph's hidden states, as MiMo's does: transformers' tokens."""
-    from tinyserve.runner.graphs import DecodeGraphs
-
     path, ps, want = expected
     llm = LLM(
         path,
@@ -286,20 +293,11 @@ def test_decode_graph_steps_draft_eagerly(expected, overlap):
         max_num_seqs=8,
         async_scheduling=overlap,
     )
-    r = llm.engine.runner
-    r.graphs = DecodeGraphs(
-        r.model,
-        r.config.max_num_seqs,
-        r.max_blocks_per_seq,
-        r.num_kv_blocks,
-        r.block_size,
-        capture=False,
-        state_scratch=r.state_scratch,
-    )
+    eager_decode_graphs(llm)
     got = llm.generate(ps, greedy(), use_tqdm=False)
     llm.engine.check_invariants()
     assert [o.outputs[0].token_ids for o in got] == want
-    assert r.graphs.num_replays > 0
+    assert llm.engine.runner.graphs.num_replays > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
