@@ -62,7 +62,7 @@ def gated_rms_norm(
 def gated_rms_norm_ref(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """layers/gated_deltanet.py's GatedRMSNorm.forward, verbatim in math."""
+    """HF's Qwen3_5RMSNormGated (the CPU path of layers/gated_deltanet.py's GatedRMSNorm)."""
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return ((weight * normed) * torch.nn.functional.silu(gate.float())).to(x.dtype)

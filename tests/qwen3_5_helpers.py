@@ -49,6 +49,18 @@ VARIANTS = {
 }
 
 
+# A tiny vision tower for Qwen3_5ForConditionalGeneration checkpoints (its weights are skipped).
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    num_position_embeddings=16,
+)
+
+
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     """O(1) activations: matrices ~ N(0, 1/fan_in), zero-centred norms w ~ 0.2 N(0, 1) (scale
     1 + w), the gated norm's weight 1 + 0.2 N(0, 1), A in [0.5, 8) (decays from mild to

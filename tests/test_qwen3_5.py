@@ -17,6 +17,7 @@ from qwen3_5_helpers import (
     BASE,
     FULL,
     LIN,
+    TINY_VISION,
     VARIANTS,
     VOCAB,
     hf_greedy,
@@ -269,17 +270,8 @@ def test_conditional_generation_checkpoint(tmp_path):
         "tie_word_embeddings": True,
         "eos_token_id": 5,
     }
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=4,
-        num_position_embeddings=16,
-    )
     config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=vision, tie_word_embeddings=False
+        text_config=text, vision_config=TINY_VISION, tie_word_embeddings=False
     )
     torch.manual_seed(0)
     hf = transformers.Qwen3_5ForConditionalGeneration(config)

@@ -18,6 +18,7 @@ from qwen3_5_helpers import (
     BASE,
     FULL,
     LIN,
+    TINY_VISION,
     add_mtp_weights,
     eager_decode_graphs,
     hf_greedy,
@@ -100,16 +101,7 @@ def text_model(hf):
 def multimodal_checkpoint(path, seed: int):
     """A Qwen3_5ForConditionalGeneration checkpoint (model.language_model.*, model.visual.*)."""
     text = {**BASE, "layer_types": [LIN, FULL], "num_hidden_layers": 2}
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=4,
-        num_position_embeddings=16,
-    )
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=TINY_VISION)
     torch.manual_seed(seed)
     hf = transformers.Qwen3_5ForConditionalGeneration(config)
     randomize_(hf, seed)
