@@ -23,7 +23,7 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, b_ptr, num_rows, num_heads, N, eps, split_stride,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,
     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    ROUND_LAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """SPLITS > 0: x is a split-K product's float32 partials (SPLITS x num_rows x N, split_stride
     apart) and its bias, summed and rounded to the residual's dtype before the add."""
@@ -43,7 +43,12 @@ def _rms_norm_kernel(
         r = tl.load(r_ptr + t * stride_r0 + h * stride_r1 + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # HF: add in dtype
         tl.store(rout_ptr + t * stride_ro0 + h * stride_ro1 + cols, x, mask=mask)
-    y = normed_rows(x, w_ptr, cols, N, eps)
+    if ROUND_LAST:
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)[:, None]
+        y = xf * rstd * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    else:
+        y = normed_rows(x, w_ptr, cols, N, eps)
     tl.store(out_ptr + t * stride_o0 + h * stride_o1 + cols, y.to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -76,9 +81,12 @@ def rms_norm(
     residual_out: torch.Tensor | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
+    round_last: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x (M, N) or (T, H, N) -> normed (same shape, dtype promote(weight, x)); with `residual`
     also returns x + residual (in x's dtype). Pass residual_out=residual to update it in place.
+    `round_last`: the weight multiplies in float32 and the product is rounded once, to x's dtype
+    (the zero-centred norms' order, layers/zero_centred_norm.py).
     A `SplitSum` x (M, N) needs a residual: x is its sum. `block_m` rows share a program (short
     rows), spread over `num_warps`."""
     splits, bias, dtype = 0, None, x.dtype
@@ -94,7 +102,8 @@ def rms_norm(
     check(weight.shape == (n,) and weight.is_contiguous(), "weight must be (N,) contiguous")
     check(x.stride(-1) == 1, "x needs a contiguous last dim")
     check(n <= 32768, "rows longer than 32768 are not supported")
-    out_dtype = dtype if weight.dtype == dtype else torch.promote_types(weight.dtype, dtype)
+    promoted = torch.promote_types(weight.dtype, dtype)
+    out_dtype = dtype if weight.dtype == dtype or round_last else promoted
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     check(out.shape == shape and out.dtype == out_dtype and out.stride(-1) == 1, "bad out")
@@ -120,7 +129,7 @@ def rms_norm(
             x, r, weight, out, ro, bias if bias is not None else weight, num_rows, num_heads, n,
             eps, num_rows * n, *_rows(x), *_rows(r), *_rows(out), *_rows(ro),
             HAS_RESIDUAL=residual is not None, SPLITS=splits, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n,
+            ROUND_LAST=round_last, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps or max(1, min(16, block_m * block_n // 256)), **pdl(device),
         )
     if residual is None:

@@ -145,18 +145,22 @@ def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
     return out[0].tolist()
 
 
-def eager_decode_graphs(llm) -> None:
+def eager_decode_graphs(llm, verify: bool = False) -> None:
     """Give `llm`'s runner decode graphs that replay eagerly (capture=False): the graph-step
-    path on the CPU, with the hybrid model's state inputs."""
+    path on the CPU, with the hybrid model's state inputs. `verify`: verify graphs too (per-token
+    state slots as inputs), and an MTP engine's drafting after their replays, as on the GPU."""
+    from tinyserve.runner.draft_graphs import DraftGraphs
     from tinyserve.runner.graphs import DecodeGraphs
 
     r = llm.engine.runner
-    r.graphs = DecodeGraphs(
-        r.model,
-        r.config.max_num_seqs,
-        r.max_blocks_per_seq,
-        r.num_kv_blocks,
-        r.block_size,
-        capture=False,
-        state_scratch=r.state_scratch,
-    )
+    args = (r.model, r.config.max_num_seqs, r.max_blocks_per_seq, r.num_kv_blocks, r.block_size)
+    r.graphs = DecodeGraphs(*args, capture=False, state_scratch=r.state_scratch)
+    if verify:
+        q = r.config.num_speculative_tokens + 1
+        r.verify_graphs = DecodeGraphs(
+            *args, query_len=q, capture=False, state_scratch=r.state_scratch
+        )
+        if r.drafter is not None:
+            r.draft_graphs = DraftGraphs(
+                r.verify_graphs, r.drafter.draft_tokens, r.graphs.last_sampled
+            )

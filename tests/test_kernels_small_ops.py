@@ -29,6 +29,7 @@ from tinyserve.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from tinyserve.kernels.sampling import sample_race, sample_race_ref
 from tinyserve.kernels.shared_prefix_attention import shared_prefix_rows
 from tinyserve.kernels.silu_mul import silu_mul, silu_mul_ref
+from tinyserve.model.layers.zero_centred_norm import zero_centred_rms_norm_ref
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("seed_torch")]
 
@@ -48,6 +49,27 @@ def test_rms_norm(dtype, with_residual):
         res, ref = res[0], ref[0]
     assert res is out
     assert_elem(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_round_last_is_the_zero_centred_norm(dtype, with_residual):
+    """Qwen3.5's norms: a float32 (1 + w) multiplies before the one rounding, output in x's dtype;
+    also per head on a strided (T, H, D) view (the gated attention's q/k norms)."""
+    x, weight = randn(7, 300, dtype=dtype, scale=3.0), 1.0 + randn(300, dtype=F32, scale=0.1)
+    residual = randn(7, 300, dtype=dtype) if with_residual else None
+    res = rms_norm(x, weight, 1e-6, residual, round_last=True)
+    ref = zero_centred_rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        assert_elem(res[1], ref[1], dtype)
+        res, ref = res[0], ref[0]
+    assert res.dtype == dtype
+    assert_elem(res, ref, dtype)
+    qkv = randn(5, 6 * 64, dtype=dtype)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)
+    w64 = 1.0 + randn(64, dtype=F32, scale=0.1)
+    out = rms_norm(q, w64, 1e-6, round_last=True)
+    assert_elem(out, zero_centred_rms_norm_ref(q, w64, 1e-6), dtype)
 
 
 def test_rms_norm_per_head_strided_in_place():

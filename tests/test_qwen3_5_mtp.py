@@ -270,26 +270,36 @@ def test_greedy_tokens_are_transformers_with_prefix_hits(expected, k, budget, ov
     assert 0 in accepted and max(accepted) >= min(k, 2), accepted  # several a step, too
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_decode_graph_steps_draft_eagerly(expected, overlap):
-    """Hybrid models have decode graphs only (verify steps run eagerly, with per-token states):
-    a step whose rows carry no drafts (the last tokens a request may emit) replays a decode
-    graph (replayed eagerly on the CPU, state slots as graph inputs) and the MTP layer drafts
-    after it from the graph's hidden states, as MiMo's does: transformers' tokens."""
+@pytest.mark.parametrize(
+    "overlap,k,force,caching", [(False, 2, None, True), (True, 2, None, True), (True, 1, 1, False)]
+)
+def test_graph_steps_are_transformers(expected, overlap, k, force, caching):
+    """Decode and verify graphs (replayed eagerly on the CPU): a verify replay's rows keep each
+    token's state in the slots its inputs name and the runner commits the accepted one after the
+    drafting replay (then saves checkpoints); steps whose rows carry no drafts replay a decode
+    graph. Greedy: transformers' tokens; forced acceptance: the eager steps' tokens."""
     path, ps, want = expected
-    llm = LLM(
-        path,
-        **BASE_KW,
-        speculative_method="mtp",
-        num_speculative_tokens=2,
-        max_num_seqs=8,
-        async_scheduling=overlap,
-    )
-    eager_decode_graphs(llm)
-    got = llm.generate(ps, greedy(), use_tqdm=False)
-    llm.engine.check_invariants()
+    kw = dict(BASE_KW, max_num_seqs=8, async_scheduling=overlap, enable_prefix_caching=caching)
+    kw |= dict(speculative_method="mtp", num_speculative_tokens=k, spec_force_accept=force)
+
+    def run(graphs: bool):
+        llm = LLM(path, **kw)
+        if graphs:
+            eager_decode_graphs(llm, verify=True)
+        got = llm.generate(ps[:1], greedy(), use_tqdm=False)
+        got += llm.generate(ps[1:], greedy(), use_tqdm=False)
+        llm.engine.check_invariants()
+        return llm, got
+
+    if force is not None:
+        want = [o.outputs[0].token_ids for o in run(graphs=False)[1]]
+    llm, got = run(graphs=True)
     assert [o.outputs[0].token_ids for o in got] == want
-    assert llm.engine.runner.graphs.num_replays > 0
+    r = llm.engine.runner
+    assert r.verify_graphs.num_replays > 5 and r.graphs.num_replays > 0
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
+    if caching:
+        assert got[-1].num_cached_tokens > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])

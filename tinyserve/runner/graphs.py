@@ -19,9 +19,11 @@ attention reads KV blocks that several rows share (prefix-cache hits) once per g
 finds enough sharing. Its sums run in another order than the plain graph's, so outputs may
 differ from it by rounding, as with a different split count.
 
-Hybrid models (`state_scratch`: the scratch state slot, runner/states.py) have decode graphs
-only: each row's state slot and whether it holds a state are graph inputs (`state_inputs`,
-copied per replay); padded rows read zeros and write the scratch slot only.
+Hybrid models (`state_scratch`: the scratch state slot, runner/states.py) have decode and verify
+graphs: each row's state slot and whether it holds a state are graph inputs (`state_inputs`,
+copied per replay); padded rows read zeros and write the scratch slot only. A verify graph's
+rows keep the state after each token in the slot `token_state_inputs` names (runner/states.py;
+padded rows: -1, not kept), which the runner commits after the replay.
 """
 
 from __future__ import annotations
@@ -92,13 +94,16 @@ class DecodeGraphs(GraphInputs):
         n = self.sizes[-1]
         self.scratch_slot = scratch_block * block_size
         self._init_inputs(max_blocks_per_seq, scratch_block, max_chunk, share, dev)
-        # Hybrid models: (2, n) int32, each row's state slot, then 1 where it holds a state.
+        # Hybrid models: (2, n) int32, each row's state slot, then 1 where it holds a state;
+        # a verify set's (n q,) slots of each token's state.
         self.state_scratch = state_scratch
-        self.state_inputs = None
+        self.state_inputs = self.token_state_inputs = None
         if state_scratch is not None:
-            assert q == 1 and not prefill and not mixed, "hybrid models: decode graphs only"
+            assert not prefill and not mixed, "hybrid models: decode and verify graphs only"
             self.state_inputs = torch.zeros(2, n, dtype=torch.int32, device=dev)
             self.state_inputs[0] = state_scratch
+            if q > 1:
+                self.token_state_inputs = torch.full((n * q,), -1, dtype=torch.int32, device=dev)
         # Every tensor a graph reads must outlive it: a per-capture arange would be freed and
         # its memory handed to other tensors while the graph still reads that address.
         if mixed:  # the chunk's query starts (the step's are an input of each replay)
@@ -249,6 +254,11 @@ class DecodeGraphs(GraphInputs):
             shared_prefix=(chunks, lens) if shared else None,
             state_slots=None if self.state_inputs is None else self.state_inputs[0, :bs],
             has_initial_state=None if self.state_inputs is None else self.state_inputs[1, :bs],
+            token_state_slots=(
+                None
+                if self.token_state_inputs is None
+                else self.token_state_inputs[: bs * self.query_len]
+            ),
         )
 
     def _mixed_metadata(
@@ -350,13 +360,19 @@ class DecodeGraphs(GraphInputs):
         return hidden[:n], logits if self.prefill else logits[:n]
 
     def _stage_states(self, states, pin: bool) -> None:
-        """Each row's state slot and has-state flag; padded rows: the scratch slot, no state."""
+        """Each row's state slot and has-state flag; padded rows: the scratch slot, no state.
+        A verify set also stages each token's state slot (padded rows': -1, not kept)."""
         b = len(states.slots)
         host = torch.zeros(self.state_inputs.shape, dtype=torch.int32, pin_memory=pin)
         a = host.numpy()
         a[0, :b], a[0, b:] = states.slots, self.state_scratch
         a[1, :b] = states.has_init
         self.state_inputs.copy_(host, non_blocking=True)
+        if self.token_state_inputs is not None:
+            t = len(states.token_slots)
+            tokens = torch.empty(self.token_state_inputs.shape, dtype=torch.int32, pin_memory=pin)
+            tokens[:t], tokens[t:] = torch.from_numpy(states.token_slots), -1
+            self.token_state_inputs.copy_(tokens, non_blocking=True)
 
     def _replay_mixed(
         self,

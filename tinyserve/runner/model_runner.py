@@ -8,10 +8,9 @@ overlapped loop).
 
 Hybrid models also get the DeltaNet layers' state rows (runner/states.py): one slot per
 sequence, a scratch slot, a speculative engine's per-token slots and the prefix cache's
-checkpoints (copied to a hit's slot before the forward, saved after it); eager steps, and decode
-graphs (no prefill, mixed, verify or cascade graphs, no prefill lane yet). Their MTP layer (Qwen3.5)
-is a full-attention layer with paged KV like MiMo's: it drafts after every step as MiMo's does
-(eager after an eager verify step, which keeps its per-token states).
+checkpoints (copied to a hit's slot before the forward, saved after it); eager steps, decode and
+verify graphs (no prefill, mixed or cascade graphs, no prefill lane yet). Their MTP layer (Qwen3.5)
+is a full-attention layer with paged KV like MiMo's: it drafts after every step as MiMo's does.
 """
 
 from __future__ import annotations
@@ -167,10 +166,15 @@ class ModelRunner:
                 state_scratch=self.state_scratch if self.is_hybrid else None,
             )
             self.capture_prefill_graphs(capture=True)
-            # The verify step: last token + k drafts (hybrid models: eager, per-token states)
-            if config.speculative_method is not None and not self.is_hybrid:
+            # The verify step: last token + k drafts (hybrid models: with per-token states)
+            if config.speculative_method is not None:
                 q = config.num_speculative_tokens + 1
-                self.verify_graphs = DecodeGraphs(*args, query_len=q, pool=self.graphs.pool)
+                self.verify_graphs = DecodeGraphs(
+                    *args,
+                    query_len=q,
+                    pool=self.graphs.pool,
+                    state_scratch=self.state_scratch if self.is_hybrid else None,
+                )
                 if self.drafter is not None:  # the MTP head's drafts after a verify replay, too
                     self.draft_graphs = DraftGraphs(
                         self.verify_graphs, self.drafter.draft_tokens, self.graphs.last_sampled
@@ -373,6 +377,10 @@ class ModelRunner:
             sampled = own
             # It also copies them to where the next decode graph step gathers its inputs.
             accepted, drafts, results = self.draft_graphs.draft(len(h.seg_starts))
+            if h.states is not None:  # each row's state after its last accepted token
+                self._commit_graphed_states(h.states, graphs, accepted)
+                if batch.state_saves:
+                    self._save_states(batch)
         elif x is not None and x.draft_next is not None:
             accepted = self.spec.accept(sampled, x.draft_next, x.seg_starts)
             if x.keep_states is not None:  # each row's state after its last accepted token
@@ -403,6 +411,14 @@ class ModelRunner:
             step.event = torch.cuda.Event()
             step.event.record()
         return step
+
+    def _commit_graphed_states(self, states, graphs, accepted: torch.Tensor) -> None:
+        """A verify replay's commit (`commit_token_states`): its slots are the graph's inputs,
+        the kept rows' bookkeeping goes over in one copy."""
+        b, r = len(states.slots), len(states.spec_rows)
+        keep = to_device(states.keep + states.spec_rows + states.spec_seqs, self.device)
+        slots = graphs.state_inputs[0, :b]
+        commit_token_states(self.states, slots, keep[:b], keep[b : b + r], keep[b + r :], accepted)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """(source row, destination row) copies of every DeltaNet layer's state, enqueued on

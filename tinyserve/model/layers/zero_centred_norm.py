@@ -6,7 +6,8 @@ float32 as HF does), so the forward is HF's arithmetic bit for bit, dummy weight
 untrained norm, and the fused kernels that take a norm weight (kernels/rope_store_kv.py) read a
 plain float32 scale. `permutation` reorders the weight as it loads (the q/k norms of
 layers/gated_attention.py). `norm(x, residual)` -> (norm(x + residual), x + residual), the add in
-x's dtype, as layers/norm.py.
+x's dtype, as layers/norm.py. On CUDA one fused Triton pass (kernels/rms_norm.py, `round_last`):
+the torch ops below are ~7 kernels a norm, two norms a layer, most of a small model's decode step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tinyserve.kernels.rms_norm import rms_norm
 from tinyserve.model.layers.linear import ShapeMismatch, copy_checked
 from tinyserve.model.layers.norm import RMSNorm
 
@@ -41,10 +43,19 @@ class ZeroCentredRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (normed * self.weight).to(x.dtype)
-        return out if residual is None else (out, residual)
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual, round_last=True)
+        return zero_centred_rms_norm_ref(x, self.weight, self.eps, residual)
+
+
+def zero_centred_rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF's Qwen3_5RMSNorm with `weight` = 1 + w (float32)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = (normed * weight).to(x.dtype)
+    return out if residual is None else (out, residual)
