@@ -17,8 +17,8 @@ from tinyserve.bench import plot
 from tinyserve.bench.common import SHAPES, git_commit
 from tinyserve.bench.cpu import bench_cpu
 from tinyserve.bench.e2e import bench_e2e
+from tinyserve.bench.hybrid_prefix import CACHE_RUNS, bench_hybrid_prefix
 from tinyserve.bench.hybrid_prefix import WORKLOADS as HYBRID_WORKLOADS
-from tinyserve.bench.hybrid_prefix import bench_hybrid_prefix
 from tinyserve.bench.kernels import bench_kernels
 from tinyserve.bench.memory import bench_memory
 from tinyserve.bench.pool import bench_pool
@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=HYBRID_WORKLOADS,
         default=list(HYBRID_WORKLOADS),
         help="hybrid-prefix: which workloads",
+    )
+    p.add_argument(
+        "--cache-runs",
+        nargs="+",
+        choices=CACHE_RUNS,
+        default=list(CACHE_RUNS),
+        help="hybrid-prefix: which cache settings run (ratios need on and off in one call)",
     )
     p.add_argument(
         "--max-num-batched-tokens",

@@ -31,6 +31,7 @@ from tinyserve.bench.drive import as_served, drive, free_gpu
 from tinyserve.model.config import ModelConfig
 
 WORKLOADS = ("shared", "multiturn", "suffix", "suffix-mtp")
+CACHE_RUNS = ("on", "on_no_decode_saves", "off")
 # --small (the CPU) -> lengths in tokens, (lo, hi): drawn uniformly, and counts. 80 tokens out on
 # the CPU: past the 4 decode blocks after a prompt's block (the default decode save interval).
 SIZES = {
@@ -41,6 +42,7 @@ SIZES = {
 }
 # Engine runs: (cache setting, MTP, the workloads it runs), each a fresh engine, in this order
 # (the decode saves' pair side by side).
+# --cache-runs picks settings (a device call too short for all of them runs them apart).
 RUNS = [
     ("on", False, ("shared", "multiturn", "suffix")),
     ("on_no_decode_saves", False, ("shared",)),
@@ -189,7 +191,11 @@ def bench_hybrid_prefix(args) -> dict:
     rng = random.Random(0)
     cuda = torch.cuda.is_available()
     res = {"rows": [], "device": torch.cuda.get_device_name() if cuda else "cpu", "sizes": size}
-    runs = [(s, mtp, [n for n in names if n in args.prefix_workloads]) for s, mtp, names in RUNS]
+    runs = [
+        (s, mtp, [n for n in names if n in args.prefix_workloads])
+        for s, mtp, names in RUNS
+        if s in args.cache_runs
+    ]
     runs = [run for run in runs if run[2]]
     paths = {mtp: resolve_model(mtp_model(args.model) if mtp else args.model) for _, mtp, _ in runs}
     if True in paths and ModelConfig.from_pretrained(paths[True][0]).num_nextn_predict_layers < 1:
