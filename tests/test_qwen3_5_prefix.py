@@ -11,9 +11,10 @@ tests and a random walk over admit / step / abort / preempt with invariants afte
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
-from qwen3_5_helpers import hf_greedy, make_checkpoint
+from qwen3_5_helpers import add_mtp_weights, hf_greedy, make_checkpoint
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli import ENGINE_KEYS
@@ -36,6 +37,16 @@ def model(tmp_path_factory):
     system = [rng.randrange(hf.config.vocab_size) for _ in range(SYSTEM)]
     questions = [[rng.randrange(hf.config.vocab_size) for _ in range(SUFFIX)] for _ in range(3)]
     return str(path), hf, system, questions
+
+
+@pytest.fixture(scope="module")
+def mtp_path(model, tmp_path_factory):
+    """`model`'s checkpoint with random MTP weights (lossless drafting: the same greedy tokens)."""
+    path, hf, _, _ = model
+    dst = tmp_path_factory.mktemp("lin_first_last_mtp")
+    shutil.copytree(path, dst, dirs_exist_ok=True)
+    add_mtp_weights(dst, hf.model, 1)
+    return str(dst)
 
 
 def hybrid_llm(path: str, **kwargs) -> LLM:
@@ -84,6 +95,34 @@ def test_shared_system_prompt(model, budget, overlap):
     assert [c for _, c in got] == [0, 16 if budget == 16 else 0, 28]
     states = llm.engine.scheduler.state_pool
     assert states.num_checkpoint_hits == (2 if budget == 16 else 1)
+
+
+@pytest.mark.parametrize(
+    "budget,overlap,mtp",
+    [(16, False, 0), (16, True, 0), (64, True, 0), (None, False, 0), (64, False, 2)],
+)
+def test_prompts_sharing_a_prefix_admitted_together(model, mtp_path, budget, overlap, mtp):
+    """Five prompts sharing the system prompt, sent at once: the first one's chunks end at the
+    deepest block end it shares with a waiting one (28; with MTP a block's key holds the token
+    after it, still shared here), which saves a branch checkpoint there; the others wait for its
+    blocks and resume at it, none recomputing the shared prefix (the ideal hit rate). Greedy
+    tokens: transformers'."""
+    path, hf, system, questions = model
+    rng = random.Random(3)
+    more = [[rng.randrange(hf.config.vocab_size) for _ in range(SUFFIX)] for _ in range(2)]
+    prompts = [system + q for q in questions + more]
+    kw = dict(BASE_KW, max_num_batched_tokens=budget, async_scheduling=overlap)
+    if mtp:
+        kw |= dict(speculative_method="mtp", num_speculative_tokens=mtp)
+        path = mtp_path
+    llm = hybrid_llm(path, **kw, enable_prefix_caching=True)
+    got = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    llm.engine.check_invariants()
+    want = [hf_greedy(hf, p, MAX_NEW)[len(p) :] for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert [o.num_cached_tokens for o in got] == [0] + [28] * 4
+    states = llm.engine.scheduler.state_pool
+    assert states.num_checkpoint_branch_saves == 1 and states.num_checkpoint_branch_hits == 4
 
 
 @pytest.mark.parametrize("state_budget", [1, None])

@@ -30,9 +30,13 @@ sequence's state is recomputed from its tokens when it is admitted again. With p
 a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
 `state_saves`; a decode row only every `decode_interval` blocks), and a prefix hit resumes after
 the deepest matched block with a checkpoint, copied into the new sequence's slot before its first
-chunk (`state_restores`); a hit clamped short of the matched blocks has its first chunk end at
-the last of them (the branch point), so its checkpoint is saved there and every later prompt
-sharing the prefix resumes at it.
+chunk (`state_restores`). A prompt's chunks end at its branch point (`seq.branch_point`), so its
+state is saved there and every later prompt sharing the prefix resumes at it: for a hit clamped
+short of the matched blocks, the last of them; for a prompt admitted while others sharing its
+first blocks wait (they wait for its blocks: `_is_in_flight`), the deepest block end it shares
+with one of them. Those then hit the leader's checkpoint instead of the first of them
+recomputing the shared prefix privately (delaying them alone would: the leader's own saves lie
+at its chunk ends, inside its private suffix).
 """
 
 from __future__ import annotations
@@ -229,7 +233,7 @@ class Scheduler:
         if uncomputed == 1 and not seq.draft_ids and not self.spec_lookahead and not shift:
             num, extra = 1, 0  # the common decode row
         else:
-            num = min(uncomputed + len(seq.draft_ids), self._budget)
+            num = self._chunk(seq, min(uncomputed + len(seq.draft_ids), self._budget))
             del seq.draft_ids[max(0, num - uncomputed) :]  # a short budget cuts drafts
             # Drafts the step in flight accepts move this step's slots up by as many.
             extra = shift + self._lookahead(seq, num + shift)
@@ -252,9 +256,8 @@ class Scheduler:
         if not needs_prompt_logprobs(seq):
             matched = self.pool.match_prefix(seq)
             branch = self.pool.match_branch_tokens  # > matched: clamped to a checkpoint
-        num = min(seq.num_uncomputed, self._budget)
-        if branch > matched:  # the first chunk ends at the branch point: a checkpoint there
-            num = min(num, branch - matched)
+        seq.branch_point = branch if branch > matched else 0
+        num = self._chunk(seq, min(seq.num_uncomputed, self._budget))
         extra = self._lookahead(seq, num)
         in_flight = self._is_in_flight(seq, matched)
         no_slot = self.state_pool is not None and not self.state_pool.can_allocate()
@@ -262,6 +265,10 @@ class Scheduler:
             self.pool.free_seq(seq)
             seq.num_kv_computed = 0
             return False if in_flight else None
+        if not seq.branch_point:  # (admitted: a cut chunk needs no more KV than checked)
+            seq.branch_point = self._shared_boundary(seq)
+            num = self._chunk(seq, num)
+            extra = self._lookahead(seq, num)
         self.waiting.remove(seq)
         ck = None
         if self.state_pool is not None:
@@ -281,7 +288,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._leaders.append(seq)  # later admissions of this step may wait for its blocks
-        self._take(seq, num, extra, branch if branch > matched else 0)
+        self._take(seq, num, extra)
         return True
 
     def _log_match(self, seq: Sequence, matched: int, branch: int, ck: int | None) -> None:
@@ -299,6 +306,43 @@ class Scheduler:
             why,
             f"; restored checkpoint {ck}" if ck is not None else "",
         )
+
+    def _chunk(self, seq: Sequence, num: int) -> int:
+        """`num` tokens of `seq` from its computed ones, ending at its branch point if that
+        lies ahead (the branch checkpoint is saved at a chunk end)."""
+        if seq.branch_point > seq.num_kv_computed:
+            return min(num, seq.branch_point - seq.num_kv_computed)
+        return num
+
+    def _shared_boundary(self, seq: Sequence) -> int:
+        """The deepest block end past `seq`'s matched tokens whose prefix a waiting prompt
+        shares (and would match: its key's token after the block too, with `key_next_token`);
+        0 if none. Hybrid prefix caching only: a KV-only cache needs no state there. A waiting
+        prompt is compared only if it shares the next block (one slice), then by bisection."""
+        states = self.state_pool
+        if states is None or not states.can_checkpoint or self.pool.trie is None:
+            return 0
+        bs, kn = self.pool.block_size, int(self.pool.key_next_token)
+        start, ids = seq.num_kv_computed, seq.token_ids
+        best = start // bs  # blocks
+        for other in self.waiting:
+            if other is seq or other.cache_salt != seq.cache_salt or other.mm_spans or seq.mm_spans:
+                continue
+            hi = (min(seq.num_prompt_tokens, other.num_prompt_tokens) - 1 - kn) // bs
+            nxt = (best + 1) * bs + kn
+            if hi <= best or other.token_ids[best * bs : nxt] != ids[best * bs : nxt]:
+                continue
+            if other.token_ids[: best * bs] != ids[: best * bs]:
+                continue
+            lo = best + 1  # shared: blocks [0, lo); find the deepest in (lo, hi]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if other.token_ids[: mid * bs + kn] == ids[: mid * bs + kn]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo
+        return best * bs if best * bs > start else 0
 
     def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
         """Is a running sequence computing (or has it computed but not yet committed) the very
@@ -334,9 +378,9 @@ class Scheduler:
         room = self.max_model_len - (seq.num_kv_computed + num)
         return max(0, min(self.spec_lookahead, room))
 
-    def _take(self, seq: Sequence, num: int, extra: int = 0, branch: int = 0) -> None:
-        """Schedule `num` tokens of `seq` (+ `extra` KV slots); `branch`: the branch point its
-        admission recomputes up to (a save there is a branch checkpoint)."""
+    def _take(self, seq: Sequence, num: int, extra: int = 0) -> None:
+        """Schedule `num` tokens of `seq` (+ `extra` KV slots); a save at its branch point is
+        a branch checkpoint."""
         self.pool.may_append(seq, num + extra)
         end = seq.num_kv_computed + num
         states = self.state_pool
@@ -350,7 +394,7 @@ class Scheduler:
             and num <= seq.num_uncomputed
             and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
         ):
-            self._may_save(seq, end, end == branch)
+            self._may_save(seq, end, end == seq.branch_point)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
