@@ -2,7 +2,8 @@
 cost is reading and writing each sequence's float32 state (Hv x K x V per layer), as a fraction of
 the copy rate; and the chunked delta rule over prompt chunks, as tokens/s, beside the recurrent
 kernel walking the same tokens one by one; and the gated RMSNorm after it, one kernel against its
-eight eager torch ops."""
+eight eager torch ops; and the fused decode step (conv + delta rule + norm in one launch) against
+the three kernels it replaces, as a fraction of the copy rate over its state traffic."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tinyserve.bench.kernels import kernel_row
 
 # (name, Hk, Hv, K, V) of the published Qwen3.5 dense sizes' DeltaNet layers
 SHAPES = (("qwen3.5-0.8b", 16, 16, 128, 128), ("qwen3.5-9b", 16, 32, 128, 128))
+CONV_WIDTH = 4  # linear_conv_kernel_dim of both
 
 
 def _inputs(T: int, B: int, hk: int, hv: int, k: int, v: int, slots: int):
@@ -31,6 +33,10 @@ def _inputs(T: int, B: int, hk: int, hv: int, k: int, v: int, slots: int):
 
 
 def bench_hybrid(res) -> None:
+    from tinyserve.kernels.gated_delta_decode import (
+        gated_delta_decode,
+        gated_delta_decode_unfused,
+    )
     from tinyserve.kernels.gated_delta_rule import gated_delta_rule_chunked
     from tinyserve.kernels.gated_delta_rule_recurrent import gated_delta_rule_recurrent
     from tinyserve.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
@@ -50,6 +56,21 @@ def bench_hybrid(res) -> None:
                 lambda b=batch, d=dims: _inputs(b, b, *d, slots=b * 2),
                 gated_delta_rule_recurrent,
                 {},
+            )
+        for batch in (1, 64, 256):
+            # As the recurrent row, plus each sequence's conv window (W-1 rows of C, bf16) read
+            # and written; "unfused" is conv1d + recurrent rule + gated norm, summed in one graph.
+            conv_bytes = (CONV_WIDTH - 1) * (2 * hk * k + hv * v) * 2
+            cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            kernel_row(
+                res,
+                "gated_delta_decode",
+                f"{model} decode {batch} seqs",
+                2 * batch * (state_bytes + conv_bytes),
+                0,
+                lambda b=batch, d=dims: _decode_inputs(b, *d, slots=b * 2),
+                gated_delta_decode,
+                {"unfused": lambda *s, cu=cu: gated_delta_decode_unfused(*s, cu_seqlens=cu)},
             )
         for tokens, seqs in ((4096, 1), (4096, 8), (16384, 32)):
             # Prefill: the state once per sequence; time is compute, reported as tokens/s.
@@ -81,6 +102,25 @@ def bench_hybrid(res) -> None:
                 gated_rms_norm,
                 {"eager": gated_rms_norm_ref},
             )
+
+
+def _decode_inputs(B: int, hk: int, hv: int, k: int, v: int, slots: int):
+    """gated_delta_decode's arguments for B one-token rows: x, z, b, a as column slices of one
+    packed projection (the layer's in_proj output), states in random slots of a pool."""
+    dev, bf16 = "cuda", torch.bfloat16
+    channels = 2 * hk * k + hv * v
+    proj = torch.randn(B, channels + hv * v + 2 * hv, device=dev, dtype=bf16)
+    x, z, b, a = proj.split([channels, hv * v, hv, hv], dim=1)
+    conv_weight = torch.randn(channels, CONV_WIDTH, device=dev, dtype=bf16) * 0.5
+    a_log = torch.rand(hv, device=dev).log()
+    dt_bias = torch.rand(hv, device=dev)
+    norm_weight = torch.ones(v, device=dev, dtype=bf16)
+    conv_state = torch.randn(slots, CONV_WIDTH - 1, channels, device=dev, dtype=bf16)
+    ssm_state = torch.randn(slots, hv, k, v, device=dev) * 0.01
+    state_slots = torch.randperm(slots, device=dev)[:B].to(torch.int32)
+    has_init = torch.ones(B, dtype=torch.bool, device=dev)
+    weights = (conv_weight, a_log, dt_bias, norm_weight, 1e-6)
+    return x, z.view(B, hv, v), a, b, *weights, conv_state, ssm_state, state_slots, has_init
 
 
 def _norm_inputs(T: int, hv: int, v: int):

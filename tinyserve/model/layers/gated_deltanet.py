@@ -9,7 +9,9 @@ indexed by slot (core/state_pool.py), assigned like Attention's KV views (`alloc
 The forward context then gives `cu_seqlens_q`, `state_slots`, `has_initial_state` (and
 `token_state_slots` on a speculative step). Decode-only steps and steps with per-token states
 (any row carrying drafts: every row then goes token by token) take the recurrent kernel, others
-the chunked one (any mix of prompt chunks and decode rows). With no state assigned, the
+the chunked one (any mix of prompt chunks and decode rows); a decode-only step runs conv, delta
+rule and norm as one kernel (kernels/gated_delta_decode.py; on CPU its reference, the same three
+references composed). With no state assigned, the
 T tokens are one sequence from a zero state (a plain forward, as Attention without a cache).
 """
 
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from tinyserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from tinyserve.kernels.gated_delta_decode import gated_delta_decode, gated_delta_decode_ref
 from tinyserve.kernels.gated_delta_rule import gated_delta_rule_chunked, gated_delta_rule_ref
 from tinyserve.kernels.gated_delta_rule_recurrent import (
     gated_delta_rule_recurrent,
@@ -61,6 +64,7 @@ class StepStates:
     max_seqlen: int
     is_recurrent: bool  # decode / verify rows: the token-by-token kernel
     token_state_slots: torch.Tensor | None = None
+    is_decode: bool = False  # one token a row, no per-token states: the fused decode kernel
 
 
 class GatedDeltaNet(nn.Module):
@@ -98,6 +102,24 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=1)
         step, conv_state, ssm_state = self._step_states(x)
+        if step.is_decode:  # a decode step is launch-bound: conv, delta rule and norm at once
+            decode = gated_delta_decode if x.is_cuda else gated_delta_decode_ref
+            o = decode(
+                mixed,
+                z.view(num_tokens, hv, v_dim),
+                a,
+                b,
+                self.conv1d.weight.squeeze(1),
+                self.A_log,
+                self.dt_bias,
+                self.norm.weight,
+                self.norm.eps,
+                conv_state,
+                ssm_state,
+                step.state_slots,
+                step.has_initial_state,
+            )  # (T, Hv, V)
+            return self.out_proj(o.view(num_tokens, self.value_dim))
         conv = causal_conv1d if x.is_cuda else causal_conv1d_ref
         mixed = conv(
             mixed,
@@ -156,6 +178,7 @@ class GatedDeltaNet(nn.Module):
             max_seqlen=md.verify_query_len or (1 if md.is_decode_only else max(md.query_lens_cpu)),
             is_recurrent=is_recurrent,
             token_state_slots=md.token_state_slots,
+            is_decode=md.is_decode_only and md.token_state_slots is None,
         )
         return step, self.conv_state, self.ssm_state
 
