@@ -125,6 +125,30 @@ def test_prompts_sharing_a_prefix_admitted_together(model, mtp_path, budget, ove
     assert states.num_checkpoint_branch_saves == 1 and states.num_checkpoint_branch_hits == 4
 
 
+@pytest.mark.parametrize("state_budget,max_num_seqs", [(2, 3), (None, 8)])
+def test_branch_points_of_one_leader(model, state_budget, max_num_seqs):
+    """Prompts sent together that branch from the first at two depths (after the system prompt's
+    7 blocks, and a block later): its chunks end at both block ends (28, 32), each saved as a
+    branch checkpoint into a checkpoint row even when the rows hold others (the idle runtime
+    slots, 2 of 3, are what the followers' admissions take back), and each follower resumes at
+    its own."""
+    path, hf, system, questions = model
+    a, b = system + questions[0], system + questions[1]
+    c = system + questions[0][:4] + questions[2]  # 32 tokens shared with a
+    kw = dict(prefix_cache_state_budget=state_budget, max_num_seqs=max_num_seqs)
+    llm = hybrid_llm(path, **BASE_KW, **kw)
+    for q in questions[1:]:  # checkpoints in both rows (a decode save each)
+        serve(llm, q * 2, 12)
+    got = llm.generate([a, b, c], greedy(MAX_NEW), use_tqdm=False)
+    llm.engine.check_invariants()
+    assert [o.outputs[0].token_ids for o in got] == [
+        hf_greedy(hf, p, MAX_NEW)[len(p) :] for p in (a, b, c)
+    ]
+    assert [o.num_cached_tokens for o in got] == [0, 28, 32]
+    states = llm.engine.scheduler.state_pool
+    assert states.num_checkpoint_branch_saves == 2 and states.num_checkpoint_branch_hits == 2
+
+
 @pytest.mark.parametrize("state_budget", [1, None])
 def test_second_chat_turn(model, state_budget):
     """Turn 2 = turn 1's prompt + answer + a new message: with a decode save every block it

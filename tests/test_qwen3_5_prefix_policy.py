@@ -215,6 +215,21 @@ def test_borrowed_slots_and_reclaim():
     assert StatePool(1, 0).why_no_checkpoint(5).startswith("no checkpoint slots")
 
 
+def test_branch_saves_take_checkpoint_rows():
+    """A branch point evicts a checkpoint row's ready checkpoint rather than borrow an idle
+    runtime slot (the requests about to resume there are admitted into the idle slots and would
+    reclaim it); other saves borrow first, and a branch save borrows when no row is ready."""
+    pool = StatePool(3, 1, checkpoint_base=10)
+    pool.allocate(1)
+    old = pool.take_checkpoint(1, 4)
+    pool.attach(1, old, 5)
+    assert pool.take_checkpoint(1, 8) < 0  # an ordinary save borrows an idle slot
+    branch = pool.take_checkpoint(1, 12, branch=True)
+    assert branch == old and pool.why_no_checkpoint(5) == "evicted"
+    assert pool.take_checkpoint(1, 16, branch=True) < 0  # the row is pending: borrow
+    pool.check_invariants([1], {5})
+
+
 def test_scheduler_drops_a_reclaimed_save():
     """One step: prompt a's chunk ends on a block (its save borrows the idle slot), then
     prompt b's admission reclaims that slot: the batch carries no save into it (the forward

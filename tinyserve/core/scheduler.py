@@ -30,13 +30,13 @@ sequence's state is recomputed from its tokens when it is admitted again. With p
 a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
 `state_saves`; a decode row only every `decode_interval` blocks), and a prefix hit resumes after
 the deepest matched block with a checkpoint, copied into the new sequence's slot before its first
-chunk (`state_restores`). A prompt's chunks end at its branch point (`seq.branch_point`), so its
-state is saved there and every later prompt sharing the prefix resumes at it: for a hit clamped
-short of the matched blocks, the last of them; for a prompt admitted while others sharing its
-first blocks wait (they wait for its blocks: `_is_in_flight`), the deepest block end it shares
-with one of them. Those then hit the leader's checkpoint instead of the first of them
-recomputing the shared prefix privately (delaying them alone would: the leader's own saves lie
-at its chunk ends, inside its private suffix).
+chunk (`state_restores`). A prompt's chunks end at its branch points (`seq.branch_points`), so
+its state is saved there and every later prompt sharing the prefix resumes at one: for a hit
+clamped short of the matched blocks, the last of them; for a prompt admitted while others
+sharing its first blocks wait (they wait for its blocks: `_is_in_flight`), the deepest block end
+it shares with each of them (the MAX_BRANCH_POINTS most shared). Those then hit the leader's
+checkpoints instead of the first of them recomputing the shared prefix privately (delaying them
+alone would: the leader's own saves lie at its chunk ends, inside its private suffix).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.core.state_pool import StatePool
 
 AGING_STEPS = 4  # a long prefill waits at most this many steps behind short prompts
+# A prompt's chunks end at no more branch points than this (each costs a chunk and a checkpoint).
+MAX_BRANCH_POINTS = 2
 # One DEBUG line per admitted prefix match: matched, where and why it was clamped, recomputed.
 match_log = logging.getLogger("tinyserve.prefix")
 
@@ -256,17 +258,21 @@ class Scheduler:
         if not needs_prompt_logprobs(seq):
             matched = self.pool.match_prefix(seq)
             branch = self.pool.match_branch_tokens  # > matched: clamped to a checkpoint
-        seq.branch_point = branch if branch > matched else 0
+        seq.branch_points = (branch,) if branch > matched else ()
         num = self._chunk(seq, min(seq.num_uncomputed, self._budget))
         extra = self._lookahead(seq, num)
-        in_flight = self._is_in_flight(seq, matched)
+        # A leader computing the block after the restore point, or after the deepest matched
+        # block (its KV not committed yet), is waited for and hit, not recomputed alongside.
+        in_flight = self._is_in_flight(seq, matched) or (
+            branch > matched and self._is_in_flight(seq, branch)
+        )
         no_slot = self.state_pool is not None and not self.state_pool.can_allocate()
         if in_flight or no_slot or not self.pool.can_append(seq, num + extra):
             self.pool.free_seq(seq)
             seq.num_kv_computed = 0
             return False if in_flight else None
-        if not seq.branch_point:  # (admitted: a cut chunk needs no more KV than checked)
-            seq.branch_point = self._shared_boundary(seq)
+        if shared := self._shared_boundaries(seq):  # (a cut chunk needs no more KV)
+            seq.branch_points = tuple(sorted({*seq.branch_points, *shared}))
             num = self._chunk(seq, num)
             extra = self._lookahead(seq, num)
         self.waiting.remove(seq)
@@ -308,41 +314,54 @@ class Scheduler:
         )
 
     def _chunk(self, seq: Sequence, num: int) -> int:
-        """`num` tokens of `seq` from its computed ones, ending at its branch point if that
-        lies ahead (the branch checkpoint is saved at a chunk end)."""
-        if seq.branch_point > seq.num_kv_computed:
-            return min(num, seq.branch_point - seq.num_kv_computed)
-        return num
+        """`num` tokens of `seq` from its computed ones, ending at its next branch point if that
+        lies before (a branch checkpoint is saved at a chunk end)."""
+        start = seq.num_kv_computed
+        nxt = next((p for p in seq.branch_points if p > start), None)
+        return num if nxt is None else min(num, nxt - start)
 
-    def _shared_boundary(self, seq: Sequence) -> int:
-        """The deepest block end past `seq`'s matched tokens whose prefix a waiting prompt
-        shares (and would match: its key's token after the block too, with `key_next_token`);
-        0 if none. Hybrid prefix caching only: a KV-only cache needs no state there. A waiting
-        prompt is compared only if it shares the next block (one slice), then by bisection."""
+    def _shared_boundaries(self, seq: Sequence) -> list[int]:
+        """The block ends past `seq`'s matched tokens where waiting prompts branch from it: each
+        one's deepest block end whose prefix it shares (and would match: its key's token after
+        the block too, with `key_next_token`), the MAX_BRANCH_POINTS most shared. Hybrid prefix
+        caching only: a KV-only cache needs no state there. A waiting prompt is compared only
+        if it shares the next block (one slice); then the previous one's branch is tried first
+        (the followers of a prompt mostly branch at one place), else found by bisection."""
         states = self.state_pool
         if states is None or not states.can_checkpoint or self.pool.trie is None:
-            return 0
+            return []
         bs, kn = self.pool.block_size, int(self.pool.key_next_token)
-        start, ids = seq.num_kv_computed, seq.token_ids
-        best = start // bs  # blocks
+        ids = seq.token_ids
+        start = seq.num_kv_computed // bs  # in blocks from here on
+        count: dict[int, int] = {}
+        last = 0
         for other in self.waiting:
             if other is seq or other.cache_salt != seq.cache_salt or other.mm_spans or seq.mm_spans:
                 continue
             hi = (min(seq.num_prompt_tokens, other.num_prompt_tokens) - 1 - kn) // bs
-            nxt = (best + 1) * bs + kn
-            if hi <= best or other.token_ids[best * bs : nxt] != ids[best * bs : nxt]:
+            nxt = (start + 1) * bs + kn
+            if hi <= start or other.token_ids[start * bs : nxt] != ids[start * bs : nxt]:
                 continue
-            if other.token_ids[: best * bs] != ids[: best * bs]:
+            if other.token_ids[: start * bs] != ids[: start * bs]:
                 continue
-            lo = best + 1  # shared: blocks [0, lo); find the deepest in (lo, hi]
+
+            def shares(blocks: int, other=other) -> bool:
+                n = blocks * bs + kn
+                return other.token_ids[:n] == ids[:n]
+
+            lo = start + 1  # shared; the deepest shared block count in [lo, hi]:
+            if last and last <= hi:
+                if shares(last):
+                    lo = last
+                else:
+                    hi = last - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if other.token_ids[: mid * bs + kn] == ids[: mid * bs + kn]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            best = lo
-        return best * bs if best * bs > start else 0
+                lo, hi = (mid, hi) if shares(mid) else (lo, mid - 1)
+            count[lo] = count.get(lo, 0) + 1
+            last = lo
+        best = sorted(count, key=lambda b: (-count[b], -b))[:MAX_BRANCH_POINTS]
+        return [b * bs for b in best]
 
     def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
         """Is a running sequence computing (or has it computed but not yet committed) the very
@@ -394,7 +413,7 @@ class Scheduler:
             and num <= seq.num_uncomputed
             and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
         ):
-            self._may_save(seq, end, end == seq.branch_point)
+            self._may_save(seq, end, end in seq.branch_points)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)

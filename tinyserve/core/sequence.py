@@ -54,9 +54,9 @@ class Sequence:
     num_unverified: int = 0
     num_preemptions: int = 0
     lane_tokens: int = 0  # prompt tokens of its chunks in flight on the prefill lane
-    # Hybrid prefix caching: a block end where its prompt branches from another (a chunk ends
-    # there, so its state is checkpointed for everyone sharing the prefix; 0: none ahead).
-    branch_point: int = 0
+    # Hybrid prefix caching: block ends where its prompt branches from others, ascending (a
+    # chunk ends at each, so its state is checkpointed there for everyone sharing the prefix).
+    branch_points: tuple[int, ...] = ()
     last_scheduled_step: int = 0  # for aging: long prefills are not starved forever
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None  # the stop token id or stop string that matched

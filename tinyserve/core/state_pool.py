@@ -185,6 +185,12 @@ class StatePool:
             self._unready(ck, "replaced by a later decode save")
         elif self.free_checkpoints:
             ck = self.free_checkpoints.pop()
+        elif branch and (own := [c for c in self.ready if c >= 0]):
+            # A branch point goes to a checkpoint row: the requests about to resume there
+            # take the idle runtime slots as they are admitted, and would reclaim a borrowed one.
+            ck = self._victim(own)
+            self._unready(ck, "evicted")
+            self.num_checkpoint_evictions += 1
         elif self.free_slots and self.checkpoint_base is not None:  # borrow an idle slot
             slot = self.free_slots.pop()
             self.borrowed.add(slot)
