@@ -33,6 +33,8 @@ LIN, FULL = "linear_attention", "full_attention"
 VARIANTS = {
     # DeltaNet first and last, attention between; two value heads per key head.
     "lin_first_last": dict(layer_types=[LIN, FULL, LIN, LIN]),
+    # ... with room for 1,400-token prompts.
+    "lin_first_last_long": dict(layer_types=[LIN, FULL, LIN, LIN], max_position_embeddings=1536),
     # The published pattern's period (3 x DeltaNet, 1 x attention), tied head, Hv == Hk,
     # head_dim 16 (4 rotary dims), a kernel of width 3.
     "published_tied": dict(
