@@ -174,6 +174,39 @@ def test_second_chat_turn(model, state_budget):
 
 
 @pytest.mark.parametrize(
+    "k,overlap,force",
+    [(2, True, None), (2, False, None), (1, True, None), (2, True, 2), (3, False, 2)],
+)
+def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force):
+    """With MTP every decode row carries drafts, so a decode save position is reached by some
+    step's accepted tokens, known after it: the scheduler saves it from the per-token state
+    that holds it (the step it may be reached in, one or two), the engine keeps the save whose
+    token was accepted. Turn 2 resumes at the last block turn 1 committed (with MTP a block's
+    key holds the token after it), inside the answer; transformers' tokens. With acceptance
+    forced (the drafts' states saved), the cache-off engine's tokens."""
+    path, hf, system, questions = model
+    kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=1)
+    kw |= dict(speculative_method="mtp", num_speculative_tokens=k, async_scheduling=overlap)
+    kw |= dict(spec_force_accept=force)
+
+    def chat(llm):
+        turn1 = system + questions[0]
+        answer, _ = serve(llm, turn1, 12)
+        turn2 = turn1 + answer + questions[1]
+        return turn1, answer, turn2, *serve(llm, turn2)
+
+    turn1, answer, turn2, got, cached = chat(hybrid_llm(mtp_path, **BASE_KW, **kw))
+    if force is None:
+        assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
+        assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
+    else:
+        off = chat(LLM(mtp_path, **BASE_KW, **kw, enable_prefix_caching=False))
+        assert (answer, got) == (off[1], off[3])
+    # Turn 1 has KV for all but its last token, and its last block's key needs the token after.
+    assert cached == (len(turn1) + len(answer) - 2) // BS * BS == 48
+
+
+@pytest.mark.parametrize(
     "prompt_len,chunk,num_answer,want",
     [
         (39, 64, 3, 40),  # one chunk ending mid-block (no save), 3 answered: 40 (KV to 41)

@@ -28,7 +28,8 @@ admission to finish, abort or preemption; admission waits for a free one (or rec
 checkpoint borrowed while idle: a save into it this step is dropped), and a preempted
 sequence's state is recomputed from its tokens when it is admitted again. With prefix caching,
 a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
-`state_saves`; a decode row only every `decode_interval` blocks), and a prefix hit resumes after
+`state_saves`; a decode row only every `decode_interval` blocks, and one whose position only the
+device knows, drafts in flight, as `_may_save_speculative` says), and a prefix hit resumes after
 the deepest matched block with a checkpoint, copied into the new sequence's slot before its first
 chunk (`state_restores`). A prompt's chunks end at its branch points (`seq.branch_points`), so
 its state is saved there and every later prompt sharing the prefix resumes at one: for a hit
@@ -62,9 +63,15 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # per sequence, this step (1 + drafts for a speculative row)
     state_slots: list[int] | None = None  # hybrid models: each sequence's state slot
     # Hybrid prefix caching: (checkpoint, slot) copied before the forward, and (slot, checkpoint)
-    # after it (the state after the row's chunk; rows carrying drafts save none).
+    # after it (the state after the row's chunk, or the decode row's token).
     state_restores: list[tuple[int, int]] | None = None
     state_saves: list[tuple[int, int]] | None = None
+    # Decode saves of rows whose positions only the device knows (drafts in flight), (row,
+    # position, checkpoint), that the engine keeps only if a token accepted this step ends at
+    # that position: rows carrying drafts save from the per-token state that may hold it
+    # (`token_saves`), the others after their one token (a `state_saves` entry too).
+    token_saves: list[tuple[int, int, int]] | None = None
+    unsure_saves: list[tuple[int, int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +140,8 @@ class Scheduler:
         self._nums: list[int] = []
         self._restores: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
+        self._token_saves: list[tuple[int, int, int]] = []
+        self._unsure_saves: list[tuple[int, int, int]] = []
         if self.state_pool is not None:
             self.state_pool.reclaimed.clear()
         # A sequence at its length limit is done; the overlapped loop learns it a step late.
@@ -173,7 +182,11 @@ class Scheduler:
         slots = [self.state_pool.owners[s.seq_id] for s in self._batch]
         reclaimed = self.state_pool.reclaimed  # (their slots run a sequence from this step on)
         saves = [(s, ck) for s, ck in self._saves if ck not in reclaimed]
-        return ScheduledBatch(self._batch, self._nums, slots, self._restores, saves)
+        token_saves = [t for t in self._token_saves if t[2] not in reclaimed]
+        unsure = [t for t in self._unsure_saves if t[2] not in reclaimed]
+        return ScheduledBatch(
+            self._batch, self._nums, slots, self._restores, saves, token_saves, unsure
+        )
 
     def _feed_lane(self, prefilling: list[Sequence]) -> None:
         """Chunks for the prefill lane: the sequence on it keeps it up to its last token,
@@ -414,6 +427,15 @@ class Scheduler:
             and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
         ):
             self._may_save(seq, end, end in seq.branch_points)
+        elif (
+            states is not None
+            and states.can_checkpoint
+            and states.decode_interval
+            and self.pool.trie is not None
+            and (seq.draft_ids or seq.num_unverified)
+            and seq.num_kv_computed >= seq.num_prompt_tokens
+        ):
+            self._may_save_speculative(seq, num)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
@@ -433,6 +455,28 @@ class Scheduler:
         ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
         if ck is not None:
             self._saves.append((states.owners[seq.seq_id], ck))
+
+    def _may_save_speculative(self, seq: Sequence, num: int) -> None:
+        """Decode saves for a row whose tokens' positions are known only on the device (drafts
+        the step in flight accepts move them up to `num_unverified`) and, if it carries drafts,
+        which of its `num` tokens are accepted only after the step: every decode save position
+        this step may reach is saved (from the per-token state that may hold it, or the row's
+        state after its one token) and the engine drops each save unless an accepted token
+        ended there, so each position the steps reach is saved by exactly one of them (one
+        candidate a step, at the default interval)."""
+        bs, step = self.pool.block_size, self.pool.block_size * self.state_pool.decode_interval
+        first = -(-seq.num_prompt_tokens // bs) * bs
+        start = seq.num_kv_computed  # the row's tokens: positions after start + 0..unverified
+        p = first if start < first else first + (start - first) // step * step + step
+        for position in range(p, start + seq.num_unverified + num + 1, step):
+            ck = self.state_pool.take_checkpoint(seq.seq_id, position)
+            if ck is None:
+                return
+            if seq.draft_ids:  # (a row carrying drafts keeps a state per token)
+                self._token_saves.append((len(self._batch), position, ck))
+            else:
+                self._saves.append((self.state_pool.owners[seq.seq_id], ck))
+                self._unsure_saves.append((len(self._batch), position, ck))
 
     def _pick_victim(self) -> Sequence:
         """Newest unscheduled sequence that is still prefilling, else the newest unscheduled."""

@@ -267,6 +267,24 @@ class StatePool:
         if not entries:
             del self.pending[seq_id]
 
+    def settle_speculative_save(self, seq_id: int, ck: int, kept: bool) -> None:
+        """A speculative row's decode save (scheduler `_may_save_speculative`), once its step's
+        accepted tokens are known: `kept`, it becomes the sequence's newest decode save (the one
+        before it goes, as `take_checkpoint(decode=True)` lets it); else it is freed (its token
+        was a rejected draft's, or the position was reached by another step)."""
+        if ck not in (c for _, c in self.pending_of(seq_id)):
+            return  # dropped already (its sequence stopped, or its slot was reclaimed)
+        if not kept:
+            self._drop_pending_one(seq_id, ck)
+            self._free_checkpoint(ck)
+            self.num_checkpoint_saves -= 1
+            return
+        tail = self.tails.get(seq_id)
+        if tail is not None and self.ready.get(tail[0]) == tail[1] and tail[0] not in self.hits:
+            self._unready(tail[0], "replaced by a later decode save")
+            self._free_checkpoint(tail[0])
+        self.tails[seq_id] = (ck, -1)  # its block: set by `attach`
+
     def drop_pending(self, seq_id: int) -> None:
         """A sequence stopped before its saves' blocks were committed: free those (its last
         ready decode save stays, for whoever continues the conversation)."""

@@ -260,6 +260,9 @@ class LLMEngine:
         """Verified tokens in, stop checks, detokenize, commit full blocks, free; drafts."""
         outs = iter(step.pending.result())
         sampled = set(step.sampled)
+        token_saves: dict[int, list[tuple[int, int]]] = {}  # row -> [(position, checkpoint)]
+        for row, position, ck in (step.batch.token_saves or []) + (step.batch.unsure_saves or []):
+            token_saves.setdefault(row, []).append((position, ck))
         scored = step.pending.prompt_logprobs()  # batch row -> (position, entries)
         for i, (seq, num) in enumerate(zip(step.batch.seqs, step.batch.num_new_tokens)):
             out = next(outs) if i in sampled else None
@@ -284,6 +287,11 @@ class LLMEngine:
             num_drafts = step.drafted[i]
             if num_drafts:
                 self.spec.record(seq, num_drafts, len(out.tokens) - 1)
+            if i in token_saves:  # kept if a token of this step's accepted ones ends there
+                start = len(seq.token_ids) - 1  # the row's first token's position
+                for position, ck in token_saves[i]:
+                    kept = start < position <= start + len(out.tokens)
+                    self.scheduler.state_pool.settle_speculative_save(seq.seq_id, ck, kept)
             reason, delta = self._append_tokens(seq, out.tokens)
             running = seq.status is SequenceStatus.RUNNING  # not preempted meanwhile
             if step.positions is None:

@@ -305,6 +305,10 @@ class DecodeGraphs(GraphInputs):
         self.shared_buffer[: len(a)].copy_(host, non_blocking=True)
         return True
 
+    def positions(self, num_seqs: int) -> torch.Tensor:
+        """The positions the last replay of `num_seqs` rows read (after any `fix`)."""
+        return self.fields(round_up(self.sizes, num_seqs))[2]
+
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyserve.config import EngineConfig
@@ -381,12 +382,16 @@ class ModelRunner:
                 self._commit_graphed_states(h.states, graphs, accepted)
                 if batch.state_saves:
                     self._save_states(batch)
+                if batch.token_saves:
+                    self._save_token_states(batch, h, graphs.positions(len(h.q_lens)))
         elif x is not None and x.draft_next is not None:
             accepted = self.spec.accept(sampled, x.draft_next, x.seg_starts)
             if x.keep_states is not None:  # each row's state after its last accepted token
                 commit_token_states(self.states, x.metadata.state_slots, *x.keep_states, accepted)
                 if batch.state_saves:
                     self._save_states(batch)
+                if batch.token_saves:
+                    self._save_token_states(batch, h, x.positions)
         last = self.graphs.last_sampled if self.graphs is not None else None
         if (
             not s.graphed
@@ -419,6 +424,21 @@ class ModelRunner:
         keep = to_device(states.keep + states.spec_rows + states.spec_seqs, self.device)
         slots = graphs.state_inputs[0, :b]
         commit_token_states(self.states, slots, keep[:b], keep[b : b + r], keep[b + r :], accepted)
+
+    def _save_token_states(self, batch: ScheduledBatch, h: HostInputs, positions) -> None:
+        """Speculative rows' decode saves (`batch.token_saves`): the state after position p
+        tokens is the row's per-token state j = p - 1 - (its first token's position on the
+        device, which drafts of the step in flight may have moved), clamped to the row's
+        tokens: a save whose token was not accepted copies some state the engine then drops.
+        On the device; `positions` (T,) int64, the step's."""
+        rows, pos, cks = zip(*batch.token_saves)
+        starts = np.cumsum([0, *batch.num_new_tokens])
+        host = [starts[r] for r in rows] + [h.states.keep[r] for r in rows]
+        host += [batch.num_new_tokens[r] - 1 for r in rows] + list(pos)
+        host += [self.checkpoint_base + c for c in cks]
+        first, keep, last, pos_dev, dst = to_device(host, self.device).split(len(rows))
+        j = torch.minimum((pos_dev - 1 - positions.index_select(0, first)).clamp(min=0), last)
+        copy_states(self.states, keep + j, dst)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """(source row, destination row) copies of every DeltaNet layer's state, enqueued on

@@ -13,7 +13,9 @@ the state after each kept token to its own scratch slot, the sequences' slots on
 `commit_token_states` copies, on the device, the state after each row's last accepted token (a
 row without drafts: its last token) into the row's slot. No host sync: the accepted counts stay
 on the device. Checkpoint saves and restores are device row copies too (`copy_states`),
-restores enqueued before the step's forward and saves after it.
+restores enqueued before the step's forward and saves after it; a speculative row's decode save
+copies the per-token state its position lands on, found on the device (the runner's
+`_save_token_states`).
 """
 
 from __future__ import annotations
