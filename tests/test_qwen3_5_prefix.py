@@ -14,7 +14,8 @@ import random
 import shutil
 
 import pytest
-from qwen3_5_helpers import add_mtp_weights, hf_greedy, make_checkpoint
+import torch
+from qwen3_5_helpers import add_mtp_weights, eager_decode_graphs, hf_greedy, make_checkpoint
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.cli import ENGINE_KEYS
@@ -174,16 +175,23 @@ def test_second_chat_turn(model, state_budget):
 
 
 @pytest.mark.parametrize(
-    "k,overlap,force",
-    [(2, True, None), (2, False, None), (1, True, None), (2, True, 2), (3, False, 2)],
+    "k,overlap,force,graphs",
+    [
+        (2, True, None, False),
+        (2, False, None, False),
+        (1, True, None, True),
+        (2, True, 2, True),
+        (3, False, 2, False),
+    ],
 )
-def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force):
+def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force, graphs):
     """With MTP every decode row carries drafts, so a decode save position is reached by some
     step's accepted tokens, known after it: the scheduler saves it from the per-token state
     that holds it (the step it may be reached in, one or two), the engine keeps the save whose
     token was accepted. Turn 2 resumes at the last block turn 1 committed (with MTP a block's
     key holds the token after it), inside the answer; transformers' tokens. With acceptance
-    forced (the drafts' states saved), the cache-off engine's tokens."""
+    forced (the drafts' states saved), the cache-off engine's tokens. `graphs`: decode and
+    verify graphs replayed eagerly (the saves read the graph's positions)."""
     path, hf, system, questions = model
     kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=1)
     kw |= dict(speculative_method="mtp", num_speculative_tokens=k, async_scheduling=overlap)
@@ -191,19 +199,62 @@ def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force):
 
     def chat(llm):
         turn1 = system + questions[0]
-        answer, _ = serve(llm, turn1, 12)
+        answer, _ = serve(llm, turn1, 15)
         turn2 = turn1 + answer + questions[1]
         return turn1, answer, turn2, *serve(llm, turn2)
 
-    turn1, answer, turn2, got, cached = chat(hybrid_llm(mtp_path, **BASE_KW, **kw))
+    llm = hybrid_llm(mtp_path, **BASE_KW, **kw)
+    if graphs:
+        eager_decode_graphs(llm, verify=True)
+    turn1, answer, turn2, got, cached = chat(llm)
+    if graphs:
+        assert llm.engine.runner.verify_graphs.num_replays > 0
     if force is None:
-        assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
+        assert answer == hf_greedy(hf, turn1, 15)[len(turn1) :]
         assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
     else:
         off = chat(LLM(mtp_path, **BASE_KW, **kw, enable_prefix_caching=False))
         assert (answer, got) == (off[1], off[3])
     # Turn 1 has KV for all but its last token, and its last block's key needs the token after.
-    assert cached == (len(turn1) + len(answer) - 2) // BS * BS == 48
+    assert cached == (len(turn1) + len(answer) - 2) // BS * BS == 52
+
+
+@pytest.mark.parametrize(
+    "overlap,force,graphs",
+    [(True, None, False), (True, 2, False), (False, 1, False), (True, 2, True)],
+)
+def test_mtp_decode_saves_hold_the_exact_state(model, mtp_path, overlap, force, graphs):
+    """Every decode save an MTP engine keeps holds the state after its position's tokens:
+    equal to the state a cache-off engine leaves after prefilling exactly those tokens (each
+    row of every DeltaNet layer, conv window and recurrent matrix). With acceptance forced,
+    most saves come from a draft's per-token state. `graphs`: through the verify graphs (replayed
+    eagerly), whose positions the saves read."""
+    path, hf, system, questions = model
+    kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=1)
+    kw |= dict(speculative_method="mtp", num_speculative_tokens=2, async_scheduling=overlap)
+    llm = hybrid_llm(mtp_path, **BASE_KW, **kw, spec_force_accept=force)
+    if graphs:
+        eager_decode_graphs(llm, verify=True)
+    prompt = system + questions[0]
+    answer, _ = serve(llm, prompt, 15)
+    tokens = prompt + answer
+    engine = llm.engine
+    states, runner = engine.scheduler.state_pool, engine.runner
+    extra = lambda i: (tokens[(i + 1) * BS],)  # noqa: E731  (keys hold the next token)
+    path_ids = engine.pool.trie.match(tokens[:-1], extra)
+    saved = [
+        (b * BS, states.checkpoint_of[block])
+        for b, block in enumerate(path_ids, 1)
+        if b * BS > len(prompt) and block in states.checkpoint_of
+    ]
+    assert len(saved) >= 3, saved
+    ref = LLM(mtp_path, **BASE_KW, enable_prefix_caching=False, max_num_seqs=1)
+    for position, ck in saved:
+        ref.generate([tokens[:position]], greedy(1), use_tqdm=False)  # slot 0: after them
+        for (conv, ssm), (rconv, rssm) in zip(runner.states, ref.engine.runner.states):
+            row = runner.checkpoint_base + ck
+            torch.testing.assert_close(conv[row], rconv[0], rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(ssm[row], rssm[0], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -267,13 +267,15 @@ class StatePool:
         if not entries:
             del self.pending[seq_id]
 
-    def settle_speculative_save(self, seq_id: int, ck: int, kept: bool) -> None:
+    def settle_speculative_save(self, seq_id: int, position: int, ck: int, kept: bool) -> None:
         """A speculative row's decode save (scheduler `_may_save_speculative`), once its step's
         accepted tokens are known: `kept`, it becomes the sequence's newest decode save (the one
         before it goes, as `take_checkpoint(decode=True)` lets it); else it is freed (its token
         was a rejected draft's, or the position was reached by another step)."""
-        if ck not in (c for _, c in self.pending_of(seq_id)):
-            return  # dropped already (its sequence stopped, or its slot was reclaimed)
+        if (position, ck) not in self.pending_of(seq_id):
+            # Gone already: its sequence stopped, its slot was reclaimed, or another save of
+            # the position became ready first (`attach` freed this one; `ck` may be reused).
+            return
         if not kept:
             self._drop_pending_one(seq_id, ck)
             self._free_checkpoint(ck)

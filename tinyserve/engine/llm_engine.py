@@ -291,7 +291,8 @@ class LLMEngine:
                 start = len(seq.token_ids) - 1  # the row's first token's position
                 for position, ck in token_saves[i]:
                     kept = start < position <= start + len(out.tokens)
-                    self.scheduler.state_pool.settle_speculative_save(seq.seq_id, ck, kept)
+                    states = self.scheduler.state_pool
+                    states.settle_speculative_save(seq.seq_id, position, ck, kept)
             reason, delta = self._append_tokens(seq, out.tokens)
             running = seq.status is SequenceStatus.RUNNING  # not preempted meanwhile
             if step.positions is None:
