@@ -65,6 +65,31 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def assert_checkpoints_exact(llm: LLM, path: str, sequences: list[list[int]]) -> int:
+    """Every ready checkpoint on the trie paths of `sequences` (prompt + output tokens) holds
+    the state after its block's tokens: what a cache-off engine's slot holds after prefilling
+    exactly those (conv windows and recurrent matrices of every DeltaNet layer). Returns how
+    many were checked."""
+    engine = llm.engine
+    states, runner, bs = engine.scheduler.state_pool, engine.runner, engine.pool.block_size
+    ref = LLM(path, **BASE_KW, enable_prefix_caching=False, max_num_seqs=1)
+    seen = set()
+    for tokens in sequences:
+        kn = engine.pool.key_next_token
+        extra = (lambda i, t=tokens: (t[(i + 1) * bs],)) if kn else None
+        for b, block in enumerate(engine.pool.trie.match(tokens[: len(tokens) - kn], extra), 1):
+            ck = states.checkpoint_of.get(block)
+            if ck is None or ck in seen:
+                continue
+            seen.add(ck)
+            ref.generate([tokens[: b * bs]], greedy(1), use_tqdm=False)  # its slot 0: after them
+            row = runner.checkpoint_base + ck
+            for (conv, ssm), (rconv, rssm) in zip(runner.states, ref.engine.runner.states):
+                torch.testing.assert_close(conv[row], rconv[0], rtol=1e-3, atol=1e-4)
+                torch.testing.assert_close(ssm[row], rssm[0], rtol=1e-3, atol=1e-4)
+    return len(seen)
+
+
 def serve(llm: LLM, prompt: list[int], max_new: int = MAX_NEW, *others) -> tuple[list[int], int]:
     """A request (and `others` admitted before it, together) run to the end, invariants after
     every step: its (tokens, cached tokens)."""
@@ -122,6 +147,8 @@ def test_prompts_sharing_a_prefix_admitted_together(model, mtp_path, budget, ove
     want = [hf_greedy(hf, p, MAX_NEW)[len(p) :] for p in prompts]
     assert [o.outputs[0].token_ids for o in got] == want
     assert [o.num_cached_tokens for o in got] == [0] + [28] * 4
+    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, got)]
+    assert assert_checkpoints_exact(llm, path, full) >= 2
     states = llm.engine.scheduler.state_pool
     assert states.num_checkpoint_branch_saves == 1 and states.num_checkpoint_branch_hits == 4
 
@@ -146,6 +173,8 @@ def test_branch_points_of_one_leader(model, state_budget, max_num_seqs):
         hf_greedy(hf, p, MAX_NEW)[len(p) :] for p in (a, b, c)
     ]
     assert [o.num_cached_tokens for o in got] == [0, 28, 32]
+    full = [p + o.outputs[0].token_ids for p, o in zip((a, b, c), got)]
+    assert assert_checkpoints_exact(llm, path, full) >= 2
     states = llm.engine.scheduler.state_pool
     assert states.num_checkpoint_branch_saves == 2 and states.num_checkpoint_branch_hits == 2
 
@@ -237,24 +266,8 @@ def test_mtp_decode_saves_hold_the_exact_state(model, mtp_path, overlap, force, 
         eager_decode_graphs(llm, verify=True)
     prompt = system + questions[0]
     answer, _ = serve(llm, prompt, 15)
-    tokens = prompt + answer
-    engine = llm.engine
-    states, runner = engine.scheduler.state_pool, engine.runner
-    extra = lambda i: (tokens[(i + 1) * BS],)  # noqa: E731  (keys hold the next token)
-    path_ids = engine.pool.trie.match(tokens[:-1], extra)
-    saved = [
-        (b * BS, states.checkpoint_of[block])
-        for b, block in enumerate(path_ids, 1)
-        if b * BS > len(prompt) and block in states.checkpoint_of
-    ]
-    assert len(saved) >= 3, saved
-    ref = LLM(mtp_path, **BASE_KW, enable_prefix_caching=False, max_num_seqs=1)
-    for position, ck in saved:
-        ref.generate([tokens[:position]], greedy(1), use_tqdm=False)  # slot 0: after them
-        for (conv, ssm), (rconv, rssm) in zip(runner.states, ref.engine.runner.states):
-            row = runner.checkpoint_base + ck
-            torch.testing.assert_close(conv[row], rconv[0], rtol=1e-3, atol=1e-4)
-            torch.testing.assert_close(ssm[row], rssm[0], rtol=1e-3, atol=1e-4)
+    checked = assert_checkpoints_exact(llm, mtp_path, [prompt + answer])
+    assert checked >= 5  # the prompt's chunk ends, then decode saves at every block
 
 
 @pytest.mark.parametrize(
