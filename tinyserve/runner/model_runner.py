@@ -21,7 +21,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tinyserve.config import EngineConfig
@@ -38,10 +37,12 @@ from tinyserve.runner.prefill_lane import build_lane
 from tinyserve.runner.states import (
     allocate_state_rows,
     checkpoint_budget,
+    commit_graphed_states,
     commit_token_states,
     copy_states,
     host_states,
     num_state_slots,
+    save_token_states,
     state_pool_size,
 )
 from tinyserve.runner.step_inputs import HostInputs, StepInputs, build_host_inputs, device_inputs
@@ -379,7 +380,8 @@ class ModelRunner:
             # It also copies them to where the next decode graph step gathers its inputs.
             accepted, drafts, results = self.draft_graphs.draft(len(h.seg_starts))
             if h.states is not None:  # each row's state after its last accepted token
-                self._commit_graphed_states(h.states, graphs, accepted)
+                slots = graphs.state_inputs[0, : len(h.q_lens)]
+                commit_graphed_states(self.states, h.states, slots, accepted, self.device)
                 if batch.state_saves:
                     self._save_states(batch)
                 if batch.token_saves:
@@ -417,34 +419,15 @@ class ModelRunner:
             step.event.record()
         return step
 
-    def _commit_graphed_states(self, states, graphs, accepted: torch.Tensor) -> None:
-        """A verify replay's commit (`commit_token_states`): its slots are the graph's inputs,
-        the kept rows' bookkeeping goes over in one copy."""
-        b, r = len(states.slots), len(states.spec_rows)
-        keep = to_device(states.keep + states.spec_rows + states.spec_seqs, self.device)
-        slots = graphs.state_inputs[0, :b]
-        commit_token_states(self.states, slots, keep[:b], keep[b : b + r], keep[b + r :], accepted)
-
-    def _save_token_states(self, batch: ScheduledBatch, h: HostInputs, positions) -> None:
-        """Speculative rows' decode saves (`batch.token_saves`): the state after position p
-        tokens is the row's per-token state j = p - 1 - (its first token's position on the
-        device, which drafts of the step in flight may have moved), clamped to the row's
-        tokens: a save whose token was not accepted copies some state the engine then drops.
-        On the device; `positions` (T,) int64, the step's."""
-        rows, pos, cks = zip(*batch.token_saves)
-        starts = np.cumsum([0, *batch.num_new_tokens])
-        host = [starts[r] for r in rows] + [h.states.keep[r] for r in rows]
-        host += [batch.num_new_tokens[r] - 1 for r in rows] + list(pos)
-        host += [self.checkpoint_base + c for c in cks]
-        first, keep, last, pos_dev, dst = to_device(host, self.device).split(len(rows))
-        j = torch.minimum((pos_dev - 1 - positions.index_select(0, first)).clamp(min=0), last)
-        copy_states(self.states, keep + j, dst)
-
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """(source row, destination row) copies of every DeltaNet layer's state, enqueued on
         the device (the index lists travel through pinned memory: no host sync)."""
         src, dst = zip(*pairs)
         copy_states(self.states, to_device(src, self.device), to_device(dst, self.device))
+
+    def _save_token_states(self, batch: ScheduledBatch, h: HostInputs, positions) -> None:
+        dst = [self.checkpoint_base + c for _, _, c in batch.token_saves]
+        save_token_states(self.states, batch, h.states.keep, positions, dst, self.device)
 
     def _save_states(self, batch: ScheduledBatch) -> None:
         """Checkpoints of the states this step computed (rows whose chunk ends a block)."""

@@ -14,8 +14,7 @@ the state after each kept token to its own scratch slot, the sequences' slots on
 row without drafts: its last token) into the row's slot. No host sync: the accepted counts stay
 on the device. Checkpoint saves and restores are device row copies too (`copy_states`),
 restores enqueued before the step's forward and saves after it; a speculative row's decode save
-copies the per-token state its position lands on, found on the device (the runner's
-`_save_token_states`).
+copies the per-token state its position lands on, found on the device (`save_token_states`).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from tinyserve.config import EngineConfig
 from tinyserve.core.scheduler import ScheduledBatch
 from tinyserve.model.config import ModelConfig
 from tinyserve.model.layers.gated_deltanet import allocate_states, state_bytes_per_slot
+from tinyserve.sample.transfer import to_device
 
 log = logging.getLogger("tinyserve.runner.states")
 
@@ -147,3 +147,39 @@ def commit_token_states(
     for conv, ssm in states:
         conv.index_copy_(0, dst, conv.index_select(0, src))
         ssm.index_copy_(0, dst, ssm.index_select(0, src))
+
+
+def commit_graphed_states(
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    host: HostStates,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    device: torch.device,
+) -> None:
+    """`commit_token_states` after a verify replay: its rows' slots are the graph's inputs
+    (`slots`), the kept rows' bookkeeping goes over in one copy."""
+    b, r = len(host.slots), len(host.spec_rows)
+    keep = to_device(host.keep + host.spec_rows + host.spec_seqs, device)
+    commit_token_states(states, slots, keep[:b], keep[b : b + r], keep[b + r :], accepted)
+
+
+def save_token_states(
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    batch: ScheduledBatch,
+    keep: list[int],
+    positions: torch.Tensor,
+    dst: list[int],
+    device: torch.device,
+) -> None:
+    """Speculative rows' decode saves (`batch.token_saves`) into rows `dst`: the state after
+    position p tokens is the row's per-token state j = p - 1 - (its first token's position on
+    the device, which drafts of the step in flight may have moved), clamped to the row's
+    tokens: a save whose token was not accepted copies some state the engine then drops.
+    `keep`: each row's first per-token slot; `positions` (T,) int64, the step's."""
+    rows, pos, _ = zip(*batch.token_saves)
+    starts = np.cumsum([0, *batch.num_new_tokens])
+    host = [starts[r] for r in rows] + [keep[r] for r in rows]
+    host += [batch.num_new_tokens[r] - 1 for r in rows] + list(pos) + list(dst)
+    first, kept, last, pos_dev, dst_dev = to_device(host, device).split(len(rows))
+    j = torch.minimum((pos_dev - 1 - positions.index_select(0, first)).clamp(min=0), last)
+    copy_states(states, kept + j, dst_dev)
