@@ -37,7 +37,7 @@ ARGS = (
 )
 
 
-async def one_request(session: aiohttp.ClientSession, rng: random.Random) -> str:
+async def one_request(http_client: aiohttp.ClientSession, rng: random.Random) -> str:
     """One random request; returns what the client did."""
     kind = rng.choice(["stream", "drop", "cancel", "plain_n2", "deadline"])
     prompt_len = rng.choice([8, 40, 200, 600])
@@ -47,7 +47,7 @@ async def one_request(session: aiohttp.ClientSession, rng: random.Random) -> str
         body["max_tokens"] = MAX_MODEL_LEN - prompt_len
     if kind in ("stream", "drop", "deadline"):
         body["stream"] = True
-        async with session.post("/v1/completions", json=body) as r:
+        async with http_client.post("/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             drop_after = rng.randint(0, 4) if kind == "drop" else None
             num = 0
@@ -59,11 +59,13 @@ async def one_request(session: aiohttp.ClientSession, rng: random.Random) -> str
         return kind
     if kind == "plain_n2":
         body["n"] = 2
-        async with session.post("/v1/completions", json=body) as r:
+        async with http_client.post("/v1/completions", json=body) as r:
             assert r.status in (200, 408), await r.text()  # 408: queued past the deadline
         return kind
     try:  # cancel: the client gives up before (or while) the prompt is prefilled
-        r = await asyncio.wait_for(session.post("/v1/completions", json=body), rng.uniform(0, 1.5))
+        r = await asyncio.wait_for(
+            http_client.post("/v1/completions", json=body), rng.uniform(0, 1.5)
+        )
         r.release()
     except asyncio.TimeoutError:
         pass
@@ -75,9 +77,9 @@ async def clients(url: str, seconds: float, seed: int) -> dict[str, int]:
     deadline = time.monotonic() + seconds
 
     async def client(rng: random.Random) -> None:
-        async with aiohttp.ClientSession(url) as session:
+        async with aiohttp.ClientSession(url) as http_client:
             while time.monotonic() < deadline:
-                kind = await one_request(session, rng)
+                kind = await one_request(http_client, rng)
                 counts[kind] = counts.get(kind, 0) + 1
 
     await asyncio.gather(*(client(random.Random(seed * 100 + i)) for i in range(NUM_CLIENTS)))
@@ -85,10 +87,10 @@ async def clients(url: str, seconds: float, seed: int) -> dict[str, int]:
 
 
 async def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
-    async with aiohttp.ClientSession(url) as session:
+    async with aiohttp.ClientSession(url) as http_client:
         deadline = time.monotonic() + timeout
         while True:
-            now = gauges(await (await session.get("/metrics")).text())
+            now = gauges(await (await http_client.get("/metrics")).text())
             if not any(now.values()) or time.monotonic() > deadline:
                 return now
             await asyncio.sleep(0.2)

@@ -28,11 +28,11 @@ async def serve_sweep(args) -> list[dict]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
         args.url, headers=headers, timeout=timeout, connector=conn
-    ) as session:
-        async with session.get("/v1/models") as r:
+    ) as client:
+        async with client.get("/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         lo, hi = 1 - args.range_ratio, 1 + args.range_ratio
-        await serve_one(session, model, list(range(1000, 1016)), 4)  # warm-up
+        await serve_one(client, model, list(range(1000, 1016)), 4)  # warm-up
         rows = []
         for rate in args.request_rate:
             for conc in args.concurrency:
@@ -48,12 +48,12 @@ async def serve_sweep(args) -> list[dict]:
                     )
                     for _ in range(args.num_prompts)
                 ]
-                rows.append(await serve_run(session, model, reqs, rate, conc, args))
+                rows.append(await serve_run(client, model, reqs, rate, conc, args))
                 print(json.dumps(rows[-1]))
         return rows
 
 
-async def serve_one(session, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def serve_one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
     body = {
         "model": model,
         "prompt": prompt,
@@ -65,7 +65,7 @@ async def serve_one(session, model: str, prompt: list[int], max_tokens: int) -> 
     }
     t0 = time.perf_counter()
     chunk_times, num_out = [], 0
-    async with session.post("/v1/completions", json=body) as r:
+    async with client.post("/v1/completions", json=body) as r:
         if r.status != 200:
             return {"ok": False}
         async for line in r.content:
@@ -92,7 +92,7 @@ async def serve_one(session, model: str, prompt: list[int], max_tokens: int) -> 
     }
 
 
-async def serve_run(session, model: str, reqs, rate: float, conc: int, args) -> dict:
+async def serve_run(client, model: str, reqs, rate: float, conc: int, args) -> dict:
     import asyncio
     import multiprocessing
     import random
@@ -106,7 +106,7 @@ async def serve_run(session, model: str, reqs, rate: float, conc: int, args) -> 
 
     async def limited(prompt, max_tokens):
         async with sem:
-            return await serve_one(session, model, prompt, max_tokens)
+            return await serve_one(client, model, prompt, max_tokens)
 
     t0 = time.perf_counter()
     tasks = []
