@@ -249,25 +249,28 @@ def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force, graphs):
 
 
 @pytest.mark.parametrize(
-    "overlap,force,graphs",
-    [(True, None, False), (True, 2, False), (False, 1, False), (True, 2, True)],
+    "overlap,force,graphs,interval",
+    [(True, None, False, 1), (True, 2, False, 1), (False, 1, False, 1), (True, 2, True, 100)],
 )
-def test_mtp_decode_saves_hold_the_exact_state(model, mtp_path, overlap, force, graphs):
+def test_mtp_decode_saves_hold_the_exact_state(model, mtp_path, overlap, force, graphs, interval):
     """Every decode save an MTP engine keeps holds the state after its position's tokens:
     equal to the state a cache-off engine leaves after prefilling exactly those tokens (each
     row of every DeltaNet layer, conv window and recurrent matrix). With acceptance forced,
     most saves come from a draft's per-token state. `graphs`: through the verify graphs (replayed
-    eagerly), whose positions the saves read."""
+    eagerly), whose positions the saves read; one decode save a sequence (`interval`), in its
+    first verify step, so that no later save replaces it."""
     path, hf, system, questions = model
-    kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=1)
+    kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=interval)
     kw |= dict(speculative_method="mtp", num_speculative_tokens=2, async_scheduling=overlap)
     llm = hybrid_llm(mtp_path, **BASE_KW, **kw, spec_force_accept=force)
     if graphs:
         eager_decode_graphs(llm, verify=True)
-    prompt = system + questions[0]
-    answer, _ = serve(llm, prompt, 15)
-    checked = assert_checkpoints_exact(llm, mtp_path, [prompt + answer])
-    assert checked >= 5  # the prompt's chunk ends, then decode saves at every block
+    full = []
+    for q in questions:  # each sequence keeps its newest decode save
+        answer, _ = serve(llm, system + q, 15)
+        full.append(system + q + answer)
+    checked = assert_checkpoints_exact(llm, mtp_path, full)
+    assert checked >= 5  # the shared chunk ends (16, 32), then one decode save a sequence
 
 
 @pytest.mark.parametrize(

@@ -230,6 +230,26 @@ def test_branch_saves_take_checkpoint_rows():
     pool.check_invariants([1], {5})
 
 
+def test_speculative_decode_saves_settle():
+    """A speculative decode save stays pending until its step's accepted tokens are known:
+    dropped, it frees its checkpoint and leaves the sequence's tail alone; kept, it replaces the
+    previous decode save (the sequence keeps one), as a plain decode save does."""
+    pool = StatePool(2, 3)
+    pool.allocate(1)
+    tail = pool.take_checkpoint(1, 8, decode=True)
+    pool.attach(1, tail, 5)
+    a = pool.take_checkpoint(1, 12, speculative=True)
+    b = pool.take_checkpoint(1, 12, speculative=True)  # the same position, a step later
+    pool.settle_speculative_save(1, 12, a, kept=False)
+    assert a in pool.free_checkpoints and pool.tails[1] == (tail, 5) and tail in pool.ready
+    pool.settle_speculative_save(1, 12, b, kept=True)
+    assert tail in pool.free_checkpoints and pool.tails[1] == (b, -1)
+    pool.settle_speculative_save(1, 12, a, kept=True)  # no longer pending (ids are reused)
+    pool.attach(1, b, 6)
+    assert pool.tails[1] == (b, 6) and pool.num_checkpoint_saves == 2
+    pool.check_invariants([1], {5, 6})
+
+
 def test_scheduler_drops_a_reclaimed_save():
     """One step: prompt a's chunk ends on a block (its save borrows the idle slot), then
     prompt b's admission reclaims that slot: the batch carries no save into it (the forward

@@ -353,7 +353,9 @@ class Scheduler:
                 continue
             hi = (min(seq.num_prompt_tokens, other.num_prompt_tokens) - 1 - kn) // bs
             nxt = (start + 1) * bs + kn
-            if hi <= start or other.token_ids[start * bs : nxt] != ids[start * bs : nxt]:
+            if hi <= start or other.token_ids[start * bs] != ids[start * bs]:
+                continue  # (one id first: most waiting prompts differ at once, no slices)
+            if other.token_ids[start * bs : nxt] != ids[start * bs : nxt]:
                 continue
             if other.token_ids[: start * bs] != ids[: start * bs]:
                 continue
@@ -416,26 +418,16 @@ class Scheduler:
         self.pool.may_append(seq, num + extra)
         end = seq.num_kv_computed + num
         states = self.state_pool
-        if (
-            states is not None
-            and states.can_checkpoint
-            and self.pool.trie is not None
-            and end % self.pool.block_size == 0
-            and not seq.draft_ids
-            and not seq.num_unverified
-            and num <= seq.num_uncomputed
-            and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
-        ):
-            self._may_save(seq, end, end in seq.branch_points)
-        elif (
-            states is not None
-            and states.can_checkpoint
-            and states.decode_interval
-            and self.pool.trie is not None
-            and (seq.draft_ids or seq.num_unverified)
-            and seq.num_kv_computed >= seq.num_prompt_tokens
-        ):
-            self._may_save_speculative(seq, num)
+        if states is not None and states.can_checkpoint and self.pool.trie is not None:
+            if seq.draft_ids or seq.num_unverified:  # positions known on the device only
+                if states.decode_interval and seq.num_kv_computed >= seq.num_prompt_tokens:
+                    self._may_save_speculative(seq, num)
+            elif (
+                end % self.pool.block_size == 0
+                and num <= seq.num_uncomputed
+                and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
+            ):
+                self._may_save(seq, end, end in seq.branch_points)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
@@ -448,13 +440,17 @@ class Scheduler:
         states = self.state_pool
         decode = seq.num_kv_computed >= seq.num_prompt_tokens
         if decode:
-            bs, interval = self.pool.block_size, states.decode_interval
-            first = -(-seq.num_prompt_tokens // bs) * bs
-            if not interval or (end - first) // bs % interval:
+            step = self.pool.block_size * states.decode_interval
+            if not step or (end - self._first_decode_save(seq)) % step:
                 return
         ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
         if ck is not None:
             self._saves.append((states.owners[seq.seq_id], ck))
+
+    def _first_decode_save(self, seq: Sequence) -> int:
+        """The first decode save position: the end of the block the prompt ends in."""
+        bs = self.pool.block_size
+        return -(-seq.num_prompt_tokens // bs) * bs
 
     def _may_save_speculative(self, seq: Sequence, num: int) -> None:
         """Decode saves for a row whose tokens' positions are known only on the device (drafts
@@ -464,12 +460,12 @@ class Scheduler:
         state after its one token) and the engine drops each save unless an accepted token
         ended there, so each position the steps reach is saved by exactly one of them (one
         candidate a step, at the default interval)."""
-        bs, step = self.pool.block_size, self.pool.block_size * self.state_pool.decode_interval
-        first = -(-seq.num_prompt_tokens // bs) * bs
+        step = self.pool.block_size * self.state_pool.decode_interval
+        first = self._first_decode_save(seq)
         start = seq.num_kv_computed  # the row's tokens: positions after start + 0..unverified
         p = first if start < first else first + (start - first) // step * step + step
         for position in range(p, start + seq.num_unverified + num + 1, step):
-            ck = self.state_pool.take_checkpoint(seq.seq_id, position)
+            ck = self.state_pool.take_checkpoint(seq.seq_id, position, speculative=True)
             if ck is None:
                 return
             if seq.draft_ids:  # (a row carrying drafts keeps a state per token)

@@ -166,42 +166,29 @@ class StatePool:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def take_checkpoint(
-        self, seq_id: int, position: int, decode: bool = False, branch: bool = False
+        self,
+        seq_id: int,
+        position: int,
+        decode: bool = False,
+        branch: bool = False,
+        speculative: bool = False,
     ) -> int | None:
         """A checkpoint for `seq_id`'s state after `position` tokens (pending until `attach`):
         a free one, else the least recently used ready one; None when all are pending. A decode
         save (`decode`) first takes the sequence's own previous decode save's back if that is
         still ready: a decoding sequence keeps one checkpoint at its newest block end (the next
         chat turn resumes there), not one per block, which would evict every prompt's. `branch`:
-        saved at a branch point (counted, and so are the hits resumed from it)."""
-        tail = self.tails.pop(seq_id, None)
-        if (
-            decode
-            and tail is not None
-            and self.ready.get(tail[0]) == tail[1]
-            and tail[0] not in self.hits  # (one that others resumed from stays)
-        ):
-            ck = tail[0]
-            self._unready(ck, "replaced by a later decode save")
-        elif self.free_checkpoints:
-            ck = self.free_checkpoints.pop()
-        elif branch and (own := [c for c in self.ready if c >= 0]):
-            # A branch point goes to a checkpoint row: the requests about to resume there
-            # take the idle runtime slots as they are admitted, and would reclaim a borrowed one.
-            ck = self._victim(own)
-            self._unready(ck, "evicted")
-            self.num_checkpoint_evictions += 1
-        elif self.free_slots and self.checkpoint_base is not None:  # borrow an idle slot
-            slot = self.free_slots.pop()
-            self.borrowed.add(slot)
-            ck = self._ck_of_slot(slot)
-            self.num_checkpoint_borrows += 1
-        elif self.ready:
-            ck = self._victim(self.ready)
-            self._unready(ck, "evicted")
-            self.num_checkpoint_evictions += 1
-        else:
-            return None
+        saved at a branch point (counted, and so are the hits resumed from it). `speculative`:
+        a decode save that may be dropped (`settle_speculative_save` replaces the tail)."""
+        ck = None
+        if decode:
+            ck = self._take_back_tail(seq_id)
+        elif not speculative:
+            self.tails.pop(seq_id, None)
+        if ck is None:
+            ck = self._new_checkpoint(branch)
+            if ck is None:
+                return None
         self.pending.setdefault(seq_id, []).append((position, ck))
         if decode:
             self.tails[seq_id] = (ck, -1)  # its block: set by `attach`
@@ -209,6 +196,29 @@ class StatePool:
         if branch:
             self.branch_points.add(ck)
             self.num_checkpoint_branch_saves += 1
+        return ck
+
+    def _new_checkpoint(self, branch: bool) -> int | None:
+        """A checkpoint to save into: a free row, else (a branch point) a row's evicted one,
+        else an idle runtime slot borrowed, else the least recently used ready one evicted;
+        None when all are pending."""
+        if self.free_checkpoints:
+            return self.free_checkpoints.pop()
+        if branch and (own := [c for c in self.ready if c >= 0]):
+            # A branch point goes to a checkpoint row: the requests about to resume there
+            # take the idle runtime slots as they are admitted, and would reclaim a borrowed one.
+            return self._evict(own)
+        if self.free_slots and self.checkpoint_base is not None:  # borrow an idle slot
+            slot = self.free_slots.pop()
+            self.borrowed.add(slot)
+            self.num_checkpoint_borrows += 1
+            return self._ck_of_slot(slot)
+        return self._evict(self.ready) if self.ready else None
+
+    def _evict(self, candidates) -> int:
+        ck = self._victim(candidates)
+        self._unready(ck, "evicted")
+        self.num_checkpoint_evictions += 1
         return ck
 
     def _victim(self, candidates) -> int:
@@ -281,11 +291,19 @@ class StatePool:
             self._free_checkpoint(ck)
             self.num_checkpoint_saves -= 1
             return
-        tail = self.tails.get(seq_id)
-        if tail is not None and self.ready.get(tail[0]) == tail[1] and tail[0] not in self.hits:
-            self._unready(tail[0], "replaced by a later decode save")
-            self._free_checkpoint(tail[0])
+        old = self._take_back_tail(seq_id)
+        if old is not None:
+            self._free_checkpoint(old)
         self.tails[seq_id] = (ck, -1)  # its block: set by `attach`
+
+    def _take_back_tail(self, seq_id: int) -> int | None:
+        """The sequence's previous decode save, taken off its node, if it is still ready and
+        nobody resumed from it (one that others resumed from stays); the tail is forgotten."""
+        tail = self.tails.pop(seq_id, None)
+        if tail is None or self.ready.get(tail[0]) != tail[1] or tail[0] in self.hits:
+            return None
+        self._unready(tail[0], "replaced by a later decode save")
+        return tail[0]
 
     def drop_pending(self, seq_id: int) -> None:
         """A sequence stopped before its saves' blocks were committed: free those (its last
