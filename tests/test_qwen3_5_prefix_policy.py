@@ -142,6 +142,35 @@ def chat_hit_rate(hit_credits: int, budget: int = 4, num: int = 200) -> float:
     return hits / turns
 
 
+def zipf_hit_rate(hit_credits: int, budget: int = 4, num: int = 300) -> float:
+    """Three shared prompts drawn with Zipf weights (1, 1/2, 1/3): a request resumes at its
+    prompt's checkpoint (or saves it as a branch point), then saves 1-4 one-off checkpoints."""
+    rng = random.Random(2)
+    pool = StatePool(1, budget, hit_credits=hit_credits)
+    hits = 0
+    for seq in range(num):
+        pool.allocate(seq)
+        prompt = rng.choices(range(3), weights=[1, 1 / 2, 1 / 3])[0]
+        if pool.restore_point([prompt]):
+            pool.touch(prompt)
+            hits += 1
+        elif (ck := pool.take_checkpoint(seq, 16, branch=True)) is not None:
+            pool.attach(seq, ck, prompt)
+        for i in range(rng.randint(1, 4)):
+            if (ck := pool.take_checkpoint(seq, 32 + 16 * i)) is not None:
+                pool.attach(seq, ck, 3 + seq * 8 + i)
+        pool.free(seq)
+        pool.check_invariants([])
+    return hits / num
+
+
+def test_shared_prompts_outlive_one_off_saves():
+    """Three shared prompts beside one-off saves: one-off saves never evict a credited
+    checkpoint, so the shared ones keep most of their hits under 4 and 8 checkpoints."""
+    assert zipf_hit_rate(0) < 0.4 and zipf_hit_rate(HIT_CREDITS) > 0.65  # 0.34, 0.68
+    assert zipf_hit_rate(0, 8) < 0.7 and zipf_hit_rate(HIT_CREDITS, 8) > 0.9  # 0.65, 0.95
+
+
 def test_shared_branch_outlives_one_off_saves():
     """Plain LRU (no credits) evicts the shared prompt's checkpoint whenever a request saves 4 or
     more others; second chances for checkpoints hit twice keep it (the first hit, a chat's next
@@ -152,6 +181,9 @@ def test_shared_branch_outlives_one_off_saves():
 
 
 def test_credits_bounded_and_spent():
+    """Hits from the second on bank credits (at most `hit_credits`). A save that guesses at a
+    later hit (a chunk end, a decode save) never evicts a credited checkpoint; a branch save's
+    eviction scan spends a credit of each it passes over (a second chance)."""
     pool = StatePool(2, 3, hit_credits=2)
     pool.allocate(1)
     cks = [pool.take_checkpoint(1, 4 * (i + 1)) for i in range(3)]
@@ -161,22 +193,47 @@ def test_credits_bounded_and_spent():
         pool.touch(10)  # hits 2-5 bank credits, at most 2
     pool.touch(11)  # one hit: no credit
     assert pool.credits == {cks[0]: 2} and pool.hits == {cks[0]: 5, cks[1]: 1}
-    # LRU order 12, 10, 11: 12 goes first, then 11 (10 spends a credit on each pass it leads)
+    # LRU order 12, 10, 11: 12 goes first, then 11; 10 is passed over and keeps its credits
     assert pool.take_checkpoint(1, 16) == cks[2]
     pool.attach(1, cks[2], 13)
-    assert pool.take_checkpoint(1, 20) == cks[1] and pool.credits == {cks[0]: 1}
+    assert pool.take_checkpoint(1, 20) == cks[1] and pool.credits == {cks[0]: 2}
     pool.attach(1, cks[1], 14)
+    # LRU order 10, 13, 14: a branch save spends one of 10's credits and takes 13
+    assert pool.take_checkpoint(1, 24, branch=True) == cks[2] and pool.credits == {cks[0]: 1}
+    pool.attach(1, cks[2], 15)
     pool.check_invariants([1])
     # A decode tail others resumed from is not reused for the sequence's next decode save.
-    tail = pool.take_checkpoint(1, 24, decode=True)  # evicts 13 (least recent, no credit)
-    pool.attach(1, tail, 15)
+    tail = pool.take_checkpoint(1, 28, decode=True)  # evicts 14 (10 is credited)
+    assert tail == cks[1]
+    pool.attach(1, tail, 16)
     pool.allocate(2)
-    pool.touch(15)  # sequence 2 resumes at sequence 1's decode save
-    assert pool.take_checkpoint(1, 28, decode=True) == cks[1]  # 10 spent its last credit
-    assert pool.checkpoint_of[15] == tail and not pool.credits
+    pool.touch(16)  # sequence 2 resumes at sequence 1's decode save
+    assert pool.take_checkpoint(1, 32, decode=True) == cks[2]  # 15: 10 credited, 16 resumed
+    assert pool.checkpoint_of[16] == tail and pool.credits == {cks[0]: 1}
     pool.free(1)
     pool.free(2)
     pool.check_invariants([])
+
+
+def test_decode_saves_spare_running_tails():
+    """A decode save evicts no running sequence's tail (they would evict each other until every
+    one was lost): with the rest credited it saves nothing. A chunk end may take one, and a
+    branch point a credited checkpoint once its credits are spent."""
+    pool = StatePool(3, 2, hit_credits=2)
+    pool.allocate(1)
+    pool.allocate(2)
+    shared = pool.take_checkpoint(1, 16)
+    pool.attach(1, shared, 10)
+    pool.touch(10)
+    pool.touch(10)  # a second hit: one credit
+    tail = pool.take_checkpoint(2, 16, decode=True)
+    pool.attach(2, tail, 20)
+    assert pool.take_checkpoint(1, 32, decode=True) is None
+    assert pool.take_checkpoint(1, 32) == tail
+    pool.attach(1, tail, 11)
+    assert pool.take_checkpoint(1, 48, branch=True) == tail  # 10 spends its credit first
+    assert pool.take_checkpoint(2, 64, branch=True) == shared and not pool.credits
+    pool.check_invariants([1, 2])
 
 
 # -- idle runtime slots hold checkpoints (borrowed) ---------------------------------------------

@@ -33,14 +33,18 @@ borrowed; checkpoint: free / pending on one sequence / ready on one node).
 
 Eviction (a full budget, or the checkpoint's trie node evicted): least recently used first, with
 second chances for shared checkpoints. From its second hit on, each hit banks a credit (at most
-HIT_CREDITS); the eviction scan spends one to move a checkpoint to the recent end instead. A
-shared system prompt's branch point outlives a stream of one-off saves that push it out under
-plain LRU, while a chat turn's tail, hit once by the next turn and dead after, earns nothing.
-Hit rates in simulations with 4 / 8 checkpoints (the first and last in
-tests/test_qwen3_5_prefix_policy.py): a shared prompt beside 2-6 one-off saves a request: LRU
-0.42 / 0.995, this 0.935 / 0.995; three shared prompts (Zipf) beside 1-4: 0.32 / 0.61, this 0.43
-/ 0.79; six chats: 0.38 / 0.58 both. Crediting first hits too did better on the shared prompts
-(0.48 / 0.82) but lost chats (0.35 / 0.51): the tails' credits kept dead checkpoints.
+HIT_CREDITS). Only a branch point's save, sure to be hit, evicts a credited checkpoint, and its
+scan spends a credit to move one to the recent end instead; the other saves are guesses at a
+later hit (chunk ends, decode saves) and pass credited ones over (`_new_checkpoint`). A shared
+system prompt's branch point outlives a stream of one-off saves that push it out under plain LRU,
+while a chat turn's tail, hit once by the next turn and dead after, earns nothing. A decode save
+evicts no running sequence's tail either: with more chats running than rows, they would evict
+each other round-robin until none was left at its sequence's end.
+Hit rates in simulations with 4 / 8 checkpoints (tests/test_qwen3_5_prefix_policy.py): a shared
+prompt beside 2-6 one-off saves a request: LRU 0.42 / 0.995, this 0.935 / 0.995; three shared
+prompts (Zipf) beside 1-4: LRU 0.34 / 0.65, this 0.68 / 0.95 (0.58 / 0.77 when guesses spent
+credits too); six chats: 0.38 / 0.58 both. Crediting first hits too did better on the shared
+prompts but lost chats: the tails' credits kept dead checkpoints.
 """
 
 from __future__ import annotations
@@ -186,7 +190,7 @@ class StatePool:
         elif not speculative:
             self.tails.pop(seq_id, None)
         if ck is None:
-            ck = self._new_checkpoint(branch)
+            ck = self._new_checkpoint(branch, tail=decode or speculative)
             if ck is None:
                 return None
         self.pending.setdefault(seq_id, []).append((position, ck))
@@ -198,10 +202,15 @@ class StatePool:
             self.num_checkpoint_branch_saves += 1
         return ck
 
-    def _new_checkpoint(self, branch: bool) -> int | None:
+    def _new_checkpoint(self, branch: bool, tail: bool = False) -> int | None:
         """A checkpoint to save into: a free row, else (a branch point) a row's evicted one,
-        else an idle runtime slot borrowed, else the least recently used ready one evicted;
-        None when all are pending."""
+        else an idle runtime slot borrowed, else a ready one evicted; None when none may go.
+        A branch point is sure to be hit (by the prompts it was cut for): it may evict any
+        ready checkpoint, in `_victim`'s order. Any other save is a guess at a later hit (a
+        prompt chunk end; a decode save, `tail`): it evicts no checkpoint that has earned
+        credits, which under state pressure the running sequences' saves would otherwise
+        push out (a shared prompt's branch point), and a decode save no running sequence's
+        tail: those would evict each other until every one was lost."""
         if self.free_checkpoints:
             return self.free_checkpoints.pop()
         if branch and (own := [c for c in self.ready if c >= 0]):
@@ -213,7 +222,11 @@ class StatePool:
             self.borrowed.add(slot)
             self.num_checkpoint_borrows += 1
             return self._ck_of_slot(slot)
-        return self._evict(self.ready) if self.ready else None
+        if branch:
+            return self._evict(self.ready) if self.ready else None
+        live = {ck for ck, blk in self.tails.values() if self.ready.get(ck) == blk} if tail else ()
+        candidates = [c for c in self.ready if c not in self.credits and c not in live]
+        return self._evict(candidates) if candidates else None
 
     def _evict(self, candidates) -> int:
         ck = self._victim(candidates)
