@@ -204,25 +204,28 @@ def test_second_chat_turn(model, state_budget):
 
 
 @pytest.mark.parametrize(
-    "k,overlap,force,graphs",
+    "k,overlap,force,graphs,interval",
     [
-        (2, True, None, False),
-        (2, False, None, False),
-        (1, True, None, True),
-        (2, True, 2, True),
-        (3, False, 2, False),
+        (2, True, None, False, 1),
+        (2, False, None, False, 1),
+        (1, True, None, True, 1),
+        (2, True, 2, True, 1),
+        (3, False, 2, False, 1),
+        (2, True, 2, True, 100),
+        (1, False, None, False, 100),
     ],
 )
-def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force, graphs):
+def test_second_chat_turn_with_mtp(model, mtp_path, k, overlap, force, graphs, interval):
     """With MTP every decode row carries drafts, so a decode save position is reached by some
     step's accepted tokens, known after it: the scheduler saves it from the per-token state
     that holds it (the step it may be reached in, one or two), the engine keeps the save whose
     token was accepted. Turn 2 resumes at the last block turn 1 committed (with MTP a block's
     key holds the token after it), inside the answer; transformers' tokens. With acceptance
     forced (the drafts' states saved), the cache-off engine's tokens. `graphs`: decode and
-    verify graphs replayed eagerly (the saves read the graph's positions)."""
+    verify graphs replayed eagerly (the saves read the graph's positions). `interval` 100:
+    the only decode saves are the prompt's block end and the last block max_tokens reaches."""
     path, hf, system, questions = model
-    kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=1)
+    kw = dict(max_num_batched_tokens=16, prefix_cache_decode_state_interval=interval)
     kw |= dict(speculative_method="mtp", num_speculative_tokens=k, async_scheduling=overlap)
     kw |= dict(spec_force_accept=force)
 
@@ -278,16 +281,18 @@ def test_mtp_decode_saves_hold_the_exact_state(model, mtp_path, overlap, force, 
     [
         (39, 64, 3, 40),  # one chunk ending mid-block (no save), 3 answered: 40 (KV to 41)
         (5, 64, 4, 8),  # a prompt shorter than a block: 8 (KV to 8)
-        (40, 64, 9, 40),  # a block-aligned prompt: its chunk end (the next decode save is 56)
+        (40, 64, 9, 48),  # a block-aligned prompt: the last block end max_tokens reaches
+        (41, 64, 10, 48),  # ... and one ending mid-block (the interval's next save is 60)
         (39, 64, 1, 0),  # the answer stopped inside the prompt's block: nothing to resume at
         (39, 16, 1, 32),  # ... but the prompt's last chunk end
     ],
 )
 def test_next_turn_resumes_past_the_prompt(model, prompt_len, chunk, num_answer, want):
     """The default decode interval (4 blocks) with short answers: a prompt ending mid-block is
-    not saved there, but the block it ends in is once the answer completes it, so turn 2
-    resumes at or past where turn 1's prompt ended, whatever its length (in the first two
-    cases at the last full block before the new message)."""
+    not saved there, but the block it ends in is once the answer completes it, and so is the
+    last block end the answer's `max_tokens` reach, off the interval's grid: turn 2 resumes
+    at or past where turn 1's prompt ended, whatever its length, and at the last full block
+    before the new message when turn 1 ran to `max_tokens`."""
     path, hf, system, questions = model
     llm = hybrid_llm(path, **BASE_KW, max_num_batched_tokens=chunk)
     turn1 = (system + questions[0] + questions[1])[:prompt_len]
@@ -301,9 +306,10 @@ def test_next_turn_resumes_past_the_prompt(model, prompt_len, chunk, num_answer,
 @pytest.mark.parametrize("interval", [0, 1, 5])
 def test_decode_state_interval(model, interval):
     """prefix_cache_decode_state_interval: decode saves at the end of the block the prompt ends
-    in, then every `interval` blocks (0: none). Turn 1 (39 prompt tokens in 16-token chunks, 12
-    answered) saves at its chunk end 32 and, decoding, at the block ends 40 / 44 / 48 the
-    interval picks; turn 2 resumes at the deepest. Tokens stay transformers' whatever the
+    in, then every `interval` blocks, and at the last block end max_tokens reaches (0: none).
+    Turn 1 (39 prompt tokens in 16-token chunks, 12 answered) saves at its chunk end 32 and,
+    decoding, at the block ends 40 / 44 / 48 the interval picks, 48 always (its last: KV for
+    50 tokens); turn 2 resumes at the deepest. Tokens stay transformers' whatever the
     interval."""
     path, hf, system, questions = model
     llm = hybrid_llm(
@@ -318,8 +324,7 @@ def test_decode_state_interval(model, interval):
     got, cached = serve(llm, turn2)
     assert answer == hf_greedy(hf, turn1, 12)[len(turn1) :]
     assert got == hf_greedy(hf, turn2, MAX_NEW)[len(turn2) :]
-    decode_ends = [e for e in (40, 44, 48) if interval and (e - 40) // BS % interval == 0]
-    assert cached == max([32, *decode_ends]) == {0: 32, 1: 48, 5: 40}[interval]
+    assert cached == {0: 32, 1: 48, 5: 48}[interval]
 
 
 def test_decode_state_interval_config():

@@ -435,13 +435,15 @@ class Scheduler:
 
     def _may_save(self, seq: Sequence, end: int, branch: bool) -> None:
         """A checkpoint of `seq`'s state after `end` tokens (a block end), if the policy wants
-        one there: every prompt chunk end; in decode, the end of the block the prompt ends in
-        and every `decode_interval` blocks after it (core/state_pool.py says why)."""
+        one there: every prompt chunk end; in decode, the end of the block the prompt ends in,
+        every `decode_interval` blocks after it and the last block end `max_tokens` reaches
+        (core/state_pool.py says why)."""
         states = self.state_pool
         decode = seq.num_kv_computed >= seq.num_prompt_tokens
         if decode:
             step = self.pool.block_size * states.decode_interval
-            if not step or (end - self._first_decode_save(seq)) % step:
+            on_grid = step and not (end - self._first_decode_save(seq)) % step
+            if not on_grid and not (step and end == self._last_decode_save(seq)):
                 return
         ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
         if ck is not None:
@@ -451,6 +453,14 @@ class Scheduler:
         """The first decode save position: the end of the block the prompt ends in."""
         bs = self.pool.block_size
         return -(-seq.num_prompt_tokens // bs) * bs
+
+    def _last_decode_save(self, seq: Sequence) -> int:
+        """The last decode save position, off the interval's grid: the deepest block a next
+        chat turn can resume at if `seq` answers `max_tokens` tokens (KV for all but the last
+        token; with `key_next_token`, its block's key needs the token after it). Without it
+        that turn would recompute up to `decode_interval` blocks of the answer."""
+        bs, kn = self.pool.block_size, int(self.pool.key_next_token)
+        return (seq.num_prompt_tokens + seq.max_tokens - 1 - kn) // bs * bs
 
     def _may_save_speculative(self, seq: Sequence, num: int) -> None:
         """Decode saves for a row whose tokens' positions are known only on the device (drafts
@@ -464,7 +474,12 @@ class Scheduler:
         first = self._first_decode_save(seq)
         start = seq.num_kv_computed  # the row's tokens: positions after start + 0..unverified
         p = first if start < first else first + (start - first) // step * step + step
-        for position in range(p, start + seq.num_unverified + num + 1, step):
+        stop = start + seq.num_unverified + num + 1
+        positions = list(range(p, stop, step))
+        last = self._last_decode_save(seq)
+        if max(start, first) < last < stop and (last - first) % step:
+            positions.append(last)
+        for position in sorted(positions):
             ck = self.state_pool.take_checkpoint(seq.seq_id, position, speculative=True)
             if ck is None:
                 return

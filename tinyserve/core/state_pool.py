@@ -14,12 +14,14 @@ committed to the prefix trie, hung off that block's node. A prefix match resumes
 block with a ready checkpoint; every copy runs in stream order, so a ready checkpoint's copy is
 always enqueued before any restore from it. Saves are taken at prompt chunk ends and, while a
 sequence decodes, at the end of the block its prompt ends in, then every `decode_interval`
-blocks (0: none); a decoding sequence keeps only its newest decode save (`tails`), where the
-next chat turn (prompt + answer + a new message) resumes. A prompt that ends mid-block needs no
-save there (nor a copy-on-write of its partial block): a match only ever ends on a block the trie
-holds, full and committed, and the answer's first tokens complete that block, whose end is saved.
-So the next turn resumes at or past where the prompt ended whatever its length, short prompts
-included, unless the answer stopped inside that block (then at the prompt's last chunk end).
+blocks (0: none) and at the last block end its `max_tokens` reach; a decoding sequence keeps
+only its newest decode save (`tails`), where the next chat turn (prompt + answer + a new
+message) resumes: at the answer's last block when it ran to `max_tokens`. A prompt that ends
+mid-block needs no save there (nor a copy-on-write of its partial block): a match only ever
+ends on a block the trie holds, full and committed, and the answer's first tokens complete that
+block, whose end is saved. So the next turn resumes at or past where the prompt ended whatever
+its length, short prompts included, unless the answer stopped inside that block (then at the
+prompt's last chunk end).
 Idle runtime slots hold checkpoints too (with `checkpoint_base`, the runner's row of checkpoint
 0, known): a save with no free checkpoint row borrows a free runtime slot before it evicts a
 ready checkpoint, and an admission with no free slot reclaims a borrowed one, evicting its
