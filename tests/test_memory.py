@@ -14,7 +14,12 @@ import torch
 from process_helpers import Server
 
 from tinyserve.config import EngineConfig
-from tinyserve.runner.kv_cache import CPU_KV_CONTEXTS, allocate_kv_cache, cpu_num_kv_blocks
+from tinyserve.runner.kv_cache import (
+    CPU_KV_CONTEXTS,
+    allocate_kv_cache,
+    cpu_num_kv_blocks,
+    no_kv_memory,
+)
 
 IDLE_RSS_MB = 1024
 
@@ -32,6 +37,18 @@ def test_cpu_kv_cache_rule():
     blocks = cpu_num_kv_blocks(EngineConfig(device="cpu"), huge, per_block)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert blocks >= 1 and blocks * per_block <= ram // 2
+
+
+def test_no_kv_memory_names_what_to_lower():
+    """A dense model: the forward's budget. A hybrid one: its recurrent-state rows too (Qwen3.5-9B
+    with MTP at max_num_seqs 512: 1,665 rows of 49 MiB, more than an H100 holds)."""
+    config = EngineConfig(device="cpu", max_num_seqs=512)
+    dense = str(no_kv_memory(config, 0, 0))
+    assert "gpu_memory_utilization=0.9" in dense and "max_num_batched_tokens" in dense
+    assert "max_num_seqs" not in dense
+    hybrid = str(no_kv_memory(config, 1665, 1665 * 49 * 2**20))
+    assert "1665 recurrent-state rows take 79.7 GiB (max_num_seqs=512" in hybrid
+    assert hybrid.endswith("lower max_num_seqs")
 
 
 def test_cpu_kv_cache_takes_memory_as_blocks_are_used():

@@ -61,10 +61,7 @@ def num_kv_blocks(runner) -> int:
         budget, torch.cuda.mem_get_info(device)[0] - (1 - util) * total - runner.state_bytes
     )
     if budget < per_block:
-        raise RuntimeError(
-            f"no memory left for the KV cache at gpu_memory_utilization="
-            f"{config.gpu_memory_utilization}: raise it or lower max_num_batched_tokens"
-        )
+        raise no_kv_memory(config, runner.num_state_slots, runner.state_bytes)
     log.info(
         "KV cache budget: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f, peak forward "
         "%.2f GiB, other processes %.2f GiB, state slots %.2f GiB)",
@@ -76,6 +73,23 @@ def num_kv_blocks(runner) -> int:
         runner.state_bytes / 2**30,
     )
     return int(budget // per_block)
+
+
+def no_kv_memory(config: EngineConfig, num_state_rows: int, state_bytes: int) -> RuntimeError:
+    """The error when nothing is left for the KV cache, naming what to lower: on a hybrid
+    model the recurrent-state rows (one per sequence, per draft token with speculation, per
+    checkpoint) can take most of the device at a large max_num_seqs."""
+    fix = "raise it or lower max_num_batched_tokens"
+    if state_bytes:
+        fix += (
+            f"; the {num_state_rows} recurrent-state rows take {state_bytes / 2**30:.1f} GiB "
+            f"(max_num_seqs={config.max_num_seqs}, x (num_speculative_tokens + 1) with "
+            "speculation, plus prefix_cache_state_budget checkpoints): lower max_num_seqs"
+        )
+    return RuntimeError(
+        f"no memory left for the KV cache at gpu_memory_utilization="
+        f"{config.gpu_memory_utilization}: {fix}"
+    )
 
 
 def cpu_num_kv_blocks(config: EngineConfig, mc: ModelConfig, per_block: int) -> int:
