@@ -272,7 +272,7 @@ class SamplingParams:
     def needs_output_count(self) -> bool:
         """Sampling that reads on the host how many tokens a row has emitted (the min_tokens stop
         mask): not known there while drafts are being verified. (The RNG counter moves on the
-        device: runner._step_shift.)"""
+        device: runner/step_logits.py step_shift.)"""
         return self.min_tokens > 0
 
 

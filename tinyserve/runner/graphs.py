@@ -352,7 +352,7 @@ class DecodeGraphs(GraphInputs):
         # A fix only lengthens contexts: a plan on the host's lengths shares no written block.
         shared = bs in self.shared_sizes and self._copy_shared_plan(tables, ctx[:b], bs, pin)
         # Sized by the host's lengths (a fix may lengthen them: any count gives the same result
-        # up to rounding), as the eager step's (runner._device_inputs).
+        # up to rounding), as the eager step's (runner/stage.py step_device_inputs).
         key = (bs, shared, self._num_splits(bs, None if shared else max(context_lens)))
         if self.capture:
             self.graphs[key].replay()
