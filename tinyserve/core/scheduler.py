@@ -27,17 +27,10 @@ Hybrid models (a `state_pool`): a sequence also holds a state slot (core/state_p
 admission to finish, abort or preemption; admission waits for a free one (or reclaims one that a
 checkpoint borrowed while idle: a save into it this step is dropped), and a preempted
 sequence's state is recomputed from its tokens when it is admitted again. With prefix caching,
-a row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
-`state_saves`; a decode row only every `decode_interval` blocks, and one whose position only the
-device knows, drafts in flight, as `_may_save_speculative` says), and a prefix hit resumes after
-the deepest matched block with a checkpoint, copied into the new sequence's slot before its first
-chunk (`state_restores`). A prompt's chunks end at its branch points (`seq.branch_points`), so
-its state is saved there and every later prompt sharing the prefix resumes at one: for a hit
-clamped short of the matched blocks, the last of them; for a prompt admitted while others
-sharing its first blocks wait (they wait for its blocks: `_is_in_flight`), the deepest block end
-it shares with each of them (the MAX_BRANCH_POINTS most shared). Those then hit the leader's
-checkpoints instead of the first of them recomputing the shared prefix privately (delaying them
-alone would: the leader's own saves lie at its chunk ends, inside its private suffix).
+rows save their state at block ends (`state_saves`) and a prompt's chunks end at its branch
+points (`seq.branch_points`) so that it saves there, as core/checkpoint_policy.py decides; a
+prefix hit resumes after the deepest matched block with a checkpoint, copied into the new
+sequence's slot before its first chunk (`state_restores`).
 """
 
 from __future__ import annotations
@@ -47,12 +40,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.checkpoint_policy import cut_at_branch_point, may_checkpoint, shared_boundaries
 from tinyserve.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from tinyserve.core.state_pool import StatePool
 
 AGING_STEPS = 4  # a long prefill waits at most this many steps behind short prompts
-# A prompt's chunks end at no more branch points than this (each costs a chunk and a checkpoint).
-MAX_BRANCH_POINTS = 2
 # One DEBUG line per admitted prefix match: matched, where and why it was clamped, recomputed.
 match_log = logging.getLogger("tinyserve.prefix")
 
@@ -248,7 +240,7 @@ class Scheduler:
         if uncomputed == 1 and not seq.draft_ids and not self.spec_lookahead and not shift:
             num, extra = 1, 0  # the common decode row
         else:
-            num = self._chunk(seq, min(uncomputed + len(seq.draft_ids), self._budget))
+            num = cut_at_branch_point(seq, min(uncomputed + len(seq.draft_ids), self._budget))
             del seq.draft_ids[max(0, num - uncomputed) :]  # a short budget cuts drafts
             # Drafts the step in flight accepts move this step's slots up by as many.
             extra = shift + self._lookahead(seq, num + shift)
@@ -272,7 +264,7 @@ class Scheduler:
             matched = self.pool.match_prefix(seq)
             branch = self.pool.match_branch_tokens  # > matched: clamped to a checkpoint
         seq.branch_points = (branch,) if branch > matched else ()
-        num = self._chunk(seq, min(seq.num_uncomputed, self._budget))
+        num = cut_at_branch_point(seq, min(seq.num_uncomputed, self._budget))
         extra = self._lookahead(seq, num)
         # A leader computing the block after the restore point, or after the deepest matched
         # block (its KV not committed yet), is waited for and hit, not recomputed alongside.
@@ -284,9 +276,9 @@ class Scheduler:
             self.pool.free_seq(seq)
             seq.num_kv_computed = 0
             return False if in_flight else None
-        if shared := self._shared_boundaries(seq):  # (a cut chunk needs no more KV)
+        if shared := shared_boundaries(self, seq):  # (a cut chunk needs no more KV)
             seq.branch_points = tuple(sorted({*seq.branch_points, *shared}))
-            num = self._chunk(seq, num)
+            num = cut_at_branch_point(seq, num)
             extra = self._lookahead(seq, num)
         self.waiting.remove(seq)
         ck = None
@@ -326,58 +318,6 @@ class Scheduler:
             f"; restored checkpoint {ck}" if ck is not None else "",
         )
 
-    def _chunk(self, seq: Sequence, num: int) -> int:
-        """`num` tokens of `seq` from its computed ones, ending at its next branch point if that
-        lies before (a branch checkpoint is saved at a chunk end)."""
-        start = seq.num_kv_computed
-        nxt = next((p for p in seq.branch_points if p > start), None)
-        return num if nxt is None else min(num, nxt - start)
-
-    def _shared_boundaries(self, seq: Sequence) -> list[int]:
-        """The block ends past `seq`'s matched tokens where waiting prompts branch from it: each
-        one's deepest block end whose prefix it shares (and would match: its key's token after
-        the block too, with `key_next_token`), the MAX_BRANCH_POINTS most shared. Hybrid prefix
-        caching only: a KV-only cache needs no state there. A waiting prompt is compared only
-        if it shares the next block (one slice); then the previous one's branch is tried first
-        (the followers of a prompt mostly branch at one place), else found by bisection."""
-        states = self.state_pool
-        if states is None or not states.can_checkpoint or self.pool.trie is None:
-            return []
-        bs, kn = self.pool.block_size, int(self.pool.key_next_token)
-        ids = seq.token_ids
-        start = seq.num_kv_computed // bs  # in blocks from here on
-        count: dict[int, int] = {}
-        last = 0
-        for other in self.waiting:
-            if other is seq or other.cache_salt != seq.cache_salt or other.mm_spans or seq.mm_spans:
-                continue
-            hi = (min(seq.num_prompt_tokens, other.num_prompt_tokens) - 1 - kn) // bs
-            nxt = (start + 1) * bs + kn
-            if hi <= start or other.token_ids[start * bs] != ids[start * bs]:
-                continue  # (one id first: most waiting prompts differ at once, no slices)
-            if other.token_ids[start * bs : nxt] != ids[start * bs : nxt]:
-                continue
-            if other.token_ids[: start * bs] != ids[: start * bs]:
-                continue
-
-            def shares(blocks: int, other=other) -> bool:
-                n = blocks * bs + kn
-                return other.token_ids[:n] == ids[:n]
-
-            lo = start + 1  # shared; the deepest shared block count in [lo, hi]:
-            if last and last <= hi:
-                if shares(last):
-                    lo = last
-                else:
-                    hi = last - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if shares(mid) else (lo, mid - 1)
-            count[lo] = count.get(lo, 0) + 1
-            last = lo
-        best = sorted(count, key=lambda b: (-count[b], -b))[:MAX_BRANCH_POINTS]
-        return [b * bs for b in best]
-
     def _is_in_flight(self, seq: Sequence, matched: int) -> bool:
         """Is a running sequence computing (or has it computed but not yet committed) the very
         block `seq` would compute next? Then `seq` waits for it to be committed and hits it,
@@ -413,81 +353,14 @@ class Scheduler:
         return max(0, min(self.spec_lookahead, room))
 
     def _take(self, seq: Sequence, num: int, extra: int = 0) -> None:
-        """Schedule `num` tokens of `seq` (+ `extra` KV slots); a save at its branch point is
-        a branch checkpoint."""
+        """Schedule `num` tokens of `seq` (+ `extra` KV slots), with the state saves the
+        checkpoint policy wants after them."""
         self.pool.may_append(seq, num + extra)
-        end = seq.num_kv_computed + num
-        states = self.state_pool
-        if states is not None and states.can_checkpoint and self.pool.trie is not None:
-            if seq.draft_ids or seq.num_unverified:  # positions known on the device only
-                if states.decode_interval and seq.num_kv_computed >= seq.num_prompt_tokens:
-                    self._may_save_speculative(seq, num)
-            elif (
-                end % self.pool.block_size == 0
-                and num <= seq.num_uncomputed
-                and seq.block_table[end // self.pool.block_size - 1] not in states.checkpoint_of
-            ):
-                self._may_save(seq, end, end in seq.branch_points)
+        may_checkpoint(self, seq, num)
         seq.last_scheduled_step = self.num_steps
         self._batch.append(seq)
         self._nums.append(num)
         self._budget -= num
-
-    def _may_save(self, seq: Sequence, end: int, branch: bool) -> None:
-        """A checkpoint of `seq`'s state after `end` tokens (a block end), if the policy wants
-        one there: every prompt chunk end; in decode, the end of the block the prompt ends in,
-        every `decode_interval` blocks after it and the last block end `max_tokens` reaches
-        (core/state_pool.py says why)."""
-        states = self.state_pool
-        decode = seq.num_kv_computed >= seq.num_prompt_tokens
-        if decode:
-            step = self.pool.block_size * states.decode_interval
-            on_grid = step and not (end - self._first_decode_save(seq)) % step
-            if not on_grid and not (step and end == self._last_decode_save(seq)):
-                return
-        ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
-        if ck is not None:
-            self._saves.append((states.owners[seq.seq_id], ck))
-
-    def _first_decode_save(self, seq: Sequence) -> int:
-        """The first decode save position: the end of the block the prompt ends in."""
-        bs = self.pool.block_size
-        return -(-seq.num_prompt_tokens // bs) * bs
-
-    def _last_decode_save(self, seq: Sequence) -> int:
-        """The last decode save position, off the interval's grid: the deepest block a next
-        chat turn can resume at if `seq` answers `max_tokens` tokens (KV for all but the last
-        token; with `key_next_token`, its block's key needs the token after it). Without it
-        that turn would recompute up to `decode_interval` blocks of the answer."""
-        bs, kn = self.pool.block_size, int(self.pool.key_next_token)
-        return (seq.num_prompt_tokens + seq.max_tokens - 1 - kn) // bs * bs
-
-    def _may_save_speculative(self, seq: Sequence, num: int) -> None:
-        """Decode saves for a row whose tokens' positions are known only on the device (drafts
-        the step in flight accepts move them up to `num_unverified`) and, if it carries drafts,
-        which of its `num` tokens are accepted only after the step: every decode save position
-        this step may reach is saved (from the per-token state that may hold it, or the row's
-        state after its one token) and the engine drops each save unless an accepted token
-        ended there, so each position the steps reach is saved by exactly one of them (one
-        candidate a step, at the default interval)."""
-        step = self.pool.block_size * self.state_pool.decode_interval
-        first = self._first_decode_save(seq)
-        start = seq.num_kv_computed  # the row's tokens: positions after start + 0..unverified
-        p = first if start < first else first + (start - first) // step * step + step
-        stop = start + seq.num_unverified + num + 1
-        positions = list(range(p, stop, step))
-        last = self._last_decode_save(seq)
-        if max(start, first) < last < stop and (last - first) % step:
-            positions.append(last)
-        for position in sorted(positions):
-            ck = self.state_pool.take_checkpoint(seq.seq_id, position, speculative=True)
-            if ck is None:
-                return
-            if seq.draft_ids:  # (a row carrying drafts keeps a state per token)
-                self._token_saves.append((len(self._batch), position, ck))
-            else:
-                self._saves.append((self.state_pool.owners[seq.seq_id], ck))
-                self._unsure_saves.append((len(self._batch), position, ck))
 
     def _pick_victim(self) -> Sequence:
         """Newest unscheduled sequence that is still prefilling, else the newest unscheduled."""
