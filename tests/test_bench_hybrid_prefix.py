@@ -74,7 +74,7 @@ def test_rows_on_a_tiny_checkpoint(checkpoint, tmp_path, monkeypatch, one_thread
             assert row["ttft_speedup"] > 0 and row["throughput_ratio"] > 0
         assert ("decode_tok_per_s" in row) == (workload != "multiturn")
     # Prompts sharing a prefix, sent at once: the first one's branch checkpoints serve the
-    # rest (scheduler `_shared_boundaries`), so these hit what a plain block cache would.
+    # rest (`checkpoint_policy.shared_boundaries`), so these hit what a plain block cache would.
     for workload in ("shared", "suffix", "suffix-mtp"):
         row = rows[workload, "on"]
         assert abs(row["hit_rate"] - row["hit_rate_theory"]) < EPS, (workload, row)

@@ -293,10 +293,10 @@ class StatePool:
             del self.pending[seq_id]
 
     def settle_speculative_save(self, seq_id: int, position: int, ck: int, kept: bool) -> None:
-        """A speculative row's decode save (scheduler `_may_save_speculative`), once its step's
-        accepted tokens are known: `kept`, it becomes the sequence's newest decode save (the one
-        before it goes, as `take_checkpoint(decode=True)` lets it); else it is freed (its token
-        was a rejected draft's, or the position was reached by another step)."""
+        """A speculative row's decode save (`checkpoint_policy.may_save_speculative`), once its
+        step's accepted tokens are known: `kept`, it becomes the sequence's newest decode save
+        (the one before it goes, as `take_checkpoint(decode=True)` lets it); else it is freed
+        (its token was a rejected draft's, or the position was reached by another step)."""
         if (position, ck) not in self.pending_of(seq_id):
             # Gone already: its sequence stopped, its slot was reclaimed, or another save of
             # the position became ready first (`attach` freed this one; `ck` may be reused).
