@@ -4,8 +4,9 @@ chunks end so that its saves lie where later prompts resume. Plain functions of 
 slots themselves are core/state_pool.py's. No CUDA here.
 
 A row whose chunk ends on a block boundary saves its state there (a checkpoint slot,
-`state_saves`; a decode row only every `decode_interval` blocks, and one whose position only the
-device knows, drafts in flight, as `may_save_speculative` says). A prompt's chunks end at its
+`state_saves`; a decode row only every `decode_interval` blocks and at the last block end its
+`max_tokens` reach, and one whose position only the device knows, drafts in flight, as
+`may_save_speculative` says). A prompt's chunks end at its
 branch points (`seq.branch_points`), so its state is saved there and every later prompt sharing
 the prefix resumes at one: for a hit clamped short of the matched blocks, the last of them; for
 a prompt admitted while others sharing its first blocks wait (they wait for its blocks:
