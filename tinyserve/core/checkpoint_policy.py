@@ -111,8 +111,8 @@ def may_save(sched: Scheduler, seq: Sequence, end: int, branch: bool) -> None:
     decode = seq.num_kv_computed >= seq.num_prompt_tokens
     if decode:
         step = sched.pool.block_size * states.decode_interval
-        on_grid = step and not (end - first_decode_save(sched.pool, seq)) % step
-        if not on_grid and not (step and end == last_decode_save(sched.pool, seq)):
+        off_grid = not step or (end - first_decode_save(sched.pool, seq)) % step
+        if off_grid and not (step and end == last_decode_save(sched.pool, seq)):
             return
     ck = states.take_checkpoint(seq.seq_id, end, decode, branch)
     if ck is not None:
@@ -148,10 +148,10 @@ def may_save_speculative(sched: Scheduler, seq: Sequence, num: int) -> None:
     start = seq.num_kv_computed  # the row's tokens: positions after start + 0..unverified
     p = first if start < first else first + (start - first) // step * step + step
     stop = start + seq.num_unverified + num + 1
-    positions = list(range(p, stop, step))
+    positions = set(range(p, stop, step))
     last = last_decode_save(sched.pool, seq)
-    if max(start, first) < last < stop and (last - first) % step:
-        positions.append(last)
+    if max(start, first) < last < stop:
+        positions.add(last)
     row = len(sched._batch)  # (the row is added after its saves)
     for position in sorted(positions):
         ck = states.take_checkpoint(seq.seq_id, position, speculative=True)

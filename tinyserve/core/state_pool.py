@@ -179,11 +179,11 @@ class StatePool:
         branch: bool = False,
         speculative: bool = False,
     ) -> int | None:
-        """A checkpoint for `seq_id`'s state after `position` tokens (pending until `attach`):
-        a free one, else the least recently used ready one; None when all are pending. A decode
-        save (`decode`) first takes the sequence's own previous decode save's back if that is
-        still ready: a decoding sequence keeps one checkpoint at its newest block end (the next
-        chat turn resumes there), not one per block, which would evict every prompt's. `branch`:
+        """A checkpoint for `seq_id`'s state after `position` tokens (pending until `attach`),
+        from `_new_checkpoint`; None when none may be taken. A decode save (`decode`) first
+        takes the sequence's own previous decode save's back if that is still ready: a
+        decoding sequence keeps one checkpoint at its newest block end (the next chat turn
+        resumes there), not one per block, which would evict every prompt's. `branch`:
         saved at a branch point (counted, and so are the hits resumed from it). `speculative`:
         a decode save that may be dropped (`settle_speculative_save` replaces the tail)."""
         ck = None

@@ -289,9 +289,9 @@ class LLMEngine:
                 self.spec.record(seq, num_drafts, len(out.tokens) - 1)
             if i in token_saves:  # kept if a token of this step's accepted ones ends there
                 start = len(seq.token_ids) - 1  # the row's first token's position
+                states = self.scheduler.state_pool
                 for position, ck in token_saves[i]:
                     kept = start < position <= start + len(out.tokens)
-                    states = self.scheduler.state_pool
                     states.settle_speculative_save(seq.seq_id, position, ck, kept)
             reason, delta = self._append_tokens(seq, out.tokens)
             running = seq.status is SequenceStatus.RUNNING  # not preempted meanwhile
